@@ -1,0 +1,182 @@
+"""Batch: the one container that crosses process boundaries between the controller and the workers.
+
+Layout (verl-style, chosen so prompts and responses can be re-padded independently):
+  prompts        [B, P]  left-padded prompt token ids         prompt_mask    [B, P]
+  responses      [B, R]  right-padded response token ids      response_mask  [B, R]
+Every other tensor is per sample ([B]) or per response token ([B, R]). Per-sample Python objects
+(data_source, ground truth, text, ...) live in `fields` as 1-D numpy object arrays, and run-level values
+(weights version, temperature, ...) in `meta`.
+
+Concatenating batches whose P or R differ re-pads: prompt-aligned tensors on the left, response-aligned
+tensors on the right. Which side a tensor is aligned to is known from its name (see `PROMPT_KEYS`), and any
+[B, R] tensor is response-aligned.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+PROMPT_KEYS = ("prompts", "prompt_mask")
+# Pad values by key: ids pad with 0 (masked anyway), masks pad with 0, everything else with 0.0.
+_PAD = 0
+
+
+@dataclass
+class Batch:
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    fields: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
+        sizes.update({k: len(v) for k, v in self.fields.items()})
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Batch: inconsistent first dimensions {sizes}")
+        for k, v in list(self.fields.items()):
+            if not isinstance(v, np.ndarray):
+                self.fields[k] = _obj_array(v)
+
+    # ------------------------------------------------------------------ basics
+    def __len__(self) -> int:
+        for v in self.tensors.values():
+            return int(v.shape[0])
+        for v in self.fields.values():
+            return len(v)
+        return 0
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.tensors:
+            return self.tensors[key]
+        if key in self.fields:
+            return self.fields[key]
+        raise KeyError(f"Batch has no key {key!r}; it has {sorted(self.tensors) + sorted(self.fields)}")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.fields
+
+    def update(self, other: "Batch") -> "Batch":
+        """Returns a new batch with `other`'s keys added (same samples, same order)."""
+        if len(other) and len(self) and len(other) != len(self):
+            raise ValueError(f"Batch.update: sizes differ ({len(self)} vs {len(other)})")
+        return Batch({**self.tensors, **other.tensors}, {**self.fields, **other.fields},
+                     {**self.meta, **other.meta})
+
+    def with_tensors(self, **tensors: torch.Tensor) -> "Batch":
+        return Batch({**self.tensors, **tensors}, dict(self.fields), dict(self.meta))
+
+    def pick(self, *keys: str) -> "Batch":
+        """A batch with only `keys` (tensors or fields); meta is kept. Cheaper to ship to a worker."""
+        return Batch({k: v for k, v in self.tensors.items() if k in keys},
+                     {k: v for k, v in self.fields.items() if k in keys}, dict(self.meta))
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.fields), dict(self.meta))
+
+    # ---------------------------------------------------------------- indexing
+    def select(self, index: Sequence[int] | np.ndarray | torch.Tensor) -> "Batch":
+        idx = torch.as_tensor(np.asarray(index, dtype=np.int64))
+        idx_np = idx.numpy()
+        return Batch({k: v[idx.to(v.device)] for k, v in self.tensors.items()},
+                     {k: v[idx_np] for k, v in self.fields.items()}, dict(self.meta))
+
+    def repeat_interleave(self, n: int) -> "Batch":
+        """Each sample repeated n times in place: [a, b] -> [a, a, b, b] (GRPO groups stay contiguous)."""
+        index = np.repeat(np.arange(len(self)), n)
+        return self.select(index)
+
+    def chunk(self, k: int) -> list["Batch"]:
+        """k contiguous, equal-size chunks (len must divide)."""
+        if len(self) % k:
+            raise ValueError(f"Batch.chunk: {len(self)} samples do not split into {k} equal chunks")
+        size = len(self) // k
+        return [self.select(range(i * size, (i + 1) * size)) for i in range(k)]
+
+    def split_balanced(self, k: int) -> tuple[list["Batch"], list[np.ndarray]]:
+        """Splits into k equal-size parts whose token counts are as even as a greedy LPT pass makes them.
+
+        Returns the parts and, for each, the original indices, so results can be put back in order with
+        `Batch.gather`. Sizes are equal because data-parallel ranks must run the same number of
+        micro-batches (a rank with fewer would skip a collective and hang the group).
+        """
+        index_parts = balanced_partition(self.token_counts().tolist(), k)
+        return [self.select(ix) for ix in index_parts], [np.asarray(ix) for ix in index_parts]
+
+    def token_counts(self) -> torch.Tensor:
+        count = torch.zeros(len(self), dtype=torch.long)
+        for key in ("prompt_mask", "response_mask"):
+            if key in self.tensors:
+                count = count + self.tensors[key].sum(-1).long().cpu()
+        return count
+
+    @staticmethod
+    def gather(parts: Sequence["Batch"], indices: Sequence[np.ndarray]) -> "Batch":
+        """Inverse of split_balanced: concatenates parts and restores the original sample order."""
+        merged = Batch.concat(parts)
+        order = np.concatenate([np.asarray(ix) for ix in indices])
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return merged.select(inverse)
+
+    # ----------------------------------------------------------------- concat
+    @staticmethod
+    def concat(parts: Sequence["Batch"]) -> "Batch":
+        parts = [p for p in parts if len(p) or p.tensors or p.fields]
+        if not parts:
+            return Batch()
+        keys_t = set(parts[0].tensors)
+        keys_f = set(parts[0].fields)
+        for p in parts[1:]:
+            if set(p.tensors) != keys_t or set(p.fields) != keys_f:
+                raise ValueError(f"Batch.concat: keys differ: {sorted(keys_t | keys_f)} vs "
+                                 f"{sorted(set(p.tensors) | set(p.fields))}")
+        tensors = {k: _cat_padded([p.tensors[k] for p in parts], left=k in PROMPT_KEYS) for k in keys_t}
+        fields = {k: _obj_array([x for p in parts for x in p.fields[k]]) for k in keys_f}
+        meta: dict[str, Any] = {}
+        for p in parts:
+            meta.update(p.meta)
+        return Batch(tensors, fields, meta)
+
+
+def balanced_partition(weights: Sequence[int], k: int) -> list[list[int]]:
+    """Longest-processing-time greedy with an equal-count constraint; each part keeps ascending index order."""
+    n = len(weights)
+    if k <= 0 or n % k:
+        raise ValueError(f"cannot split {n} samples into {k} equal parts; make the batch a multiple of {k}")
+    cap = n // k
+    heap = [(0, i) for i in range(k)]  # (load, part)
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(n), key=lambda j: (-weights[j], j)):
+        full: list[tuple[int, int]] = []
+        load, part = heapq.heappop(heap)
+        while len(parts[part]) >= cap:
+            full.append((load, part))
+            load, part = heapq.heappop(heap)
+        parts[part].append(i)
+        heapq.heappush(heap, (load + weights[i], part))
+        for item in full:
+            heapq.heappush(heap, item)
+    return [sorted(p) for p in parts]
+
+
+def _cat_padded(ts: list[torch.Tensor], left: bool) -> torch.Tensor:
+    if ts[0].dim() < 2 or all(t.shape[1:] == ts[0].shape[1:] for t in ts):
+        return torch.cat(ts, 0)
+    width = max(t.shape[1] for t in ts)
+    padded = []
+    for t in ts:
+        gap = width - t.shape[1]
+        pad = t.new_full((t.shape[0], gap, *t.shape[2:]), _PAD)
+        padded.append(torch.cat([pad, t] if left else [t, pad], 1))
+    return torch.cat(padded, 0)
+
+
+def _obj_array(items: Iterable[Any]) -> np.ndarray:
+    items = list(items)
+    arr = np.empty(len(items), dtype=object)
+    for i, x in enumerate(items):
+        arr[i] = x
+    return arr

@@ -1,0 +1,30 @@
+"""Turns a Plan into running WorkerGroups: Ray up, feasibility checked, one group per pool."""
+from __future__ import annotations
+
+import logging
+
+from fleetrl.cluster.envcheck import resolve_device_env
+from fleetrl.cluster.group import WorkerGroup
+from fleetrl.cluster.placement import check_feasible, cluster_nodes
+from fleetrl.cluster.runtime import ensure_ray
+from fleetrl.config.plan import Plan
+
+log = logging.getLogger("fleetrl.cluster")
+
+
+def build_groups(plan: Plan) -> dict[str, WorkerGroup]:
+    cfg = plan.config.cluster
+    if cfg.backend == "local":
+        return {name: WorkerGroup(plan, name, backend="local") for name in plan.pools}
+    ensure_ray(cfg)
+    check_feasible(list(plan.pools.values()), cluster_nodes())
+    env = resolve_device_env(cfg.env)
+    groups: dict[str, WorkerGroup] = {}
+    try:
+        for name in plan.pools:
+            groups[name] = WorkerGroup(plan, name, backend="ray", env=env)
+    except BaseException:
+        for g in groups.values():
+            g.shutdown()
+        raise
+    return groups

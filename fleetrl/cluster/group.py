@@ -1,0 +1,135 @@
+"""WorkerGroup: the workers of one pool, as Ray actors (one per bundle) or in the driver process.
+
+Calls are typed: pass the Worker method itself (`group.call_all(Worker.build)`), never a string. Ranks are
+stable: node-bundle order of the placement group, then the worker's index on that node; rank 0 publishes
+the master address for the pool's process group.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from fleetrl.batch import Batch
+from fleetrl.cluster.placement import bundle_nodes, create_pool_group
+from fleetrl.config.plan import Plan
+from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.worker import Worker
+
+
+class WorkerLostError(RuntimeError):
+    """A worker process or its node died; the supervisor may rebuild the groups."""
+
+
+class _RayWorker(Worker):
+    def __init__(self, ctx: WorkerContext) -> None:
+        os.environ["FLEETRL_NODE_IP"] = ray.util.get_node_ip_address()
+        os.environ["FLEETRL_NODE_ID"] = ray.get_runtime_context().get_node_id()
+        super().__init__(ctx)
+
+
+class WorkerGroup:
+    def __init__(self, plan: Plan, pool_name: str, *, backend: str = "ray", env: dict[str, str] | None = None) -> None:
+        self.plan = plan
+        self.pool = plan.pools[pool_name]
+        self.backend = backend
+        self.world_size = self.pool.world_size
+        self.pg = None
+        timeout = plan.config.cluster.init_timeout_s
+        if backend == "local":
+            self.workers: list[Any] = [Worker(self._ctx(0))]
+        else:
+            self.workers = self._spawn(env or {})
+        addr, port = self._get([self._invoke(self.workers[0], Worker.master_address)], timeout)[0]
+        self.call_all(Worker.init_dist, addr, port, timeout, timeout=timeout)
+        self.call_all(Worker.build, timeout=timeout)
+
+    def _ctx(self, rank: int) -> WorkerContext:
+        return WorkerContext(plan=self.plan, pool=self.pool.name, roles=self.pool.roles, rank=rank,
+                             world_size=self.world_size)
+
+    def _spawn(self, env: dict[str, str]) -> list[Any]:
+        self.pg = create_pool_group(self.pool, self.plan.config.cluster.placement_timeout_s)
+        self.node_ids = bundle_nodes(self.pg)
+        bundle = self.pool.bundle
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+        cls = ray.remote(_RayWorker)
+        workers = []
+        for rank in range(self.world_size):
+            node_index = rank // self.pool.bundles_per_node
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=node_index)
+            workers.append(cls.options(
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), resources=custom or None,
+                scheduling_strategy=strategy, runtime_env={"env_vars": dict(env)} if env else None,
+                max_concurrency=2,  # one slot stays free for health pings while a long call runs
+            ).remote(self._ctx(rank)))
+        return workers
+
+    # ---------------------------------------------------------------- calls
+    def call_all(self, method: Callable, *args: Any, timeout: float | None = None) -> list[Any]:
+        return self._get([self._invoke(w, method, *args) for w in self.workers], timeout)
+
+    def call_parts(self, method: Callable, parts: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        assert len(parts) == self.world_size, (len(parts), self.world_size)
+        return self._get([self._invoke(w, method, p) for w, p in zip(self.workers, parts)], timeout)
+
+    def call_split(self, method: Callable, batch: Batch, timeout: float | None = None) -> Batch:
+        """Splits the batch balanced by tokens over the ranks, runs, and returns results in the input order."""
+        if self.world_size == 1:
+            return self.call_all(method, batch, timeout=timeout)[0]
+        parts, index = batch.split_balanced(self.world_size)
+        return Batch.gather(self.call_parts(method, parts, timeout), index)
+
+    def _invoke(self, worker: Any, method: Callable, *args: Any) -> Any:
+        if self.backend == "local":
+            return method(worker, *args)
+        return getattr(worker, method.__name__).remote(*args)
+
+    def _get(self, refs: list[Any], timeout: float | None) -> list[Any]:
+        if self.backend == "local":
+            return refs
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(f"pool '{self.pool.name}': workers did not answer within {timeout}s "
+                               f"(raise cluster.init_timeout_s if models are large)") from e
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                ray.exceptions.NodeDiedError) as e:
+            raise WorkerLostError(f"pool '{self.pool.name}': a worker died: {e}") from e
+
+    def node_infos(self) -> list[dict]:
+        return self.call_all(Worker.node_info)
+
+    def shutdown(self) -> None:
+        if self.backend == "local":
+            for w in self.workers:
+                w.shutdown()
+            return
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already dead
+                pass
+        if self.pg is not None:
+            try:
+                ray.util.remove_placement_group(self.pg)
+            except Exception:
+                pass
+
+
+def order_for_dp(batch: Batch, num_mini: int, world: int) -> tuple[list[Batch], list[np.ndarray]]:
+    """Per-rank batches for an update: each mini-batch split balanced over ranks; rank r gets its share of
+    mini-batch 0, then of mini-batch 1, ... so every rank can chunk its batch into `num_mini` equal pieces."""
+    minis = batch.chunk(num_mini)
+    per_rank: list[list[Batch]] = [[] for _ in range(world)]
+    per_rank_ix: list[list[np.ndarray]] = [[] for _ in range(world)]
+    size = len(batch) // num_mini
+    for m, mini in enumerate(minis):
+        parts, index = mini.split_balanced(world)
+        for r in range(world):
+            per_rank[r].append(parts[r])
+            per_rank_ix[r].append(index[r] + m * size)
+    return [Batch.concat(p) for p in per_rank], [np.concatenate(ix) for ix in per_rank_ix]

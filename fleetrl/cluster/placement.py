@@ -1,0 +1,137 @@
+"""Placement: check a plan against the cluster BEFORE asking Ray, then create placement groups with a timeout.
+
+A pool of `nodes × bundles_per_node` workers becomes ONE placement group of `nodes` node-bundles (each
+holding `bundles_per_node` workers' resources), STRICT_SPREAD across nodes when nodes > 1. That states exactly
+"N distinct nodes with k workers each", which per-node groups cannot (two of them may land on one node).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from fleetrl.config.plan import PoolPlan
+
+_EPS = 1e-6
+_IGNORED = ("memory", "object_store_memory")
+
+
+class PlacementError(RuntimeError):
+    """The plan does not fit the cluster (or did not become ready in time); the message says what to change."""
+
+
+@dataclass(frozen=True)
+class NodeResources:
+    node_id: str
+    ip: str
+    total: dict[str, float]
+    available: dict[str, float]
+
+
+def cluster_nodes() -> list[NodeResources]:
+    avail_by_node = _available_by_node()
+    nodes = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        total = {k: float(v) for k, v in n["Resources"].items() if not k.startswith("node:")}
+        nodes.append(NodeResources(n["NodeID"], n["NodeManagerAddress"], total,
+                                   avail_by_node.get(n["NodeID"], dict(total))))
+    return sorted(nodes, key=lambda x: (x.ip, x.node_id))
+
+
+def _available_by_node() -> dict[str, dict[str, float]]:
+    try:
+        from ray.util.state import list_nodes  # noqa: F401  (needs the dashboard; fall back when absent)
+    except Exception:
+        pass
+    try:
+        per_node = ray._private.state.state._available_resources_per_node()  # noqa: SLF001
+        return {nid: {k: float(v) for k, v in res.items() if not k.startswith("node:")}
+                for nid, res in per_node.items()}
+    except Exception:
+        return {}
+
+
+def node_bundle(pool: PoolPlan) -> dict[str, float]:
+    return {k: v * pool.bundles_per_node for k, v in pool.bundle.items()}
+
+
+def check_feasible(pools: list[PoolPlan], nodes: list[NodeResources]) -> None:
+    """Greedy first-fit of every pool's node-bundles onto distinct nodes' available resources."""
+    free = {n.node_id: dict(n.available) for n in nodes}
+    problems = []
+    for pool in sorted(pools, key=lambda p: -sum(node_bundle(p).values())):
+        need = node_bundle(pool)
+        placed = 0
+        for n in nodes:
+            if placed == pool.nodes:
+                break
+            if _fits(need, free[n.node_id]):
+                _take(need, free[n.node_id])
+                placed += 1
+        if placed < pool.nodes:
+            problems.append(_shortfall(pool, need, placed, nodes))
+    if problems:
+        raise PlacementError("placement does not fit the cluster:\n  " + "\n  ".join(problems)
+                             + "\n" + describe_nodes(nodes))
+
+
+def _fits(need: dict[str, float], free: dict[str, float]) -> bool:
+    return all(free.get(k, 0.0) + _EPS >= v for k, v in need.items() if k not in _IGNORED)
+
+
+def _take(need: dict[str, float], free: dict[str, float]) -> None:
+    for k, v in need.items():
+        free[k] = free.get(k, 0.0) - v
+
+
+def _shortfall(pool: PoolPlan, need: dict[str, float], placed: int, nodes: list[NodeResources]) -> str:
+    totals = {k: sum(n.total.get(k, 0.0) for n in nodes) for k in need}
+    asked = {k: v * pool.nodes for k, v in need.items()}
+    short = [f"{k}: needs {asked[k]:g}, cluster has {totals[k]:g}" for k in need if asked[k] > totals[k] + _EPS]
+    what = "; ".join(short) if short else (
+        f"no {pool.nodes - placed} more node(s) can each hold {_fmt(need)} (the cluster has enough in total, "
+        f"but not in that per-node shape)")
+    fix = (f"lower cluster.pools.{pool.name}.nodes / workers_per_node / gpus_per_worker / cpus_per_worker, or add "
+           f"nodes with `fleetrl cluster up --address HEAD:PORT`")
+    return (f"pool '{pool.name}' (roles {', '.join(pool.roles)}) asks for {pool.nodes} node(s) × "
+            f"{pool.bundles_per_node} worker(s) of {_fmt(pool.bundle)}; placed on {placed}. {what}. Fix: {fix}")
+
+
+def describe_nodes(nodes: list[NodeResources]) -> str:
+    lines = ["cluster nodes (available / total):"]
+    for n in nodes:
+        keys = sorted(k for k in n.total if k not in _IGNORED)
+        res = ", ".join(f"{k} {n.available.get(k, 0.0):g}/{n.total[k]:g}" for k in keys)
+        lines.append(f"    {n.ip} [{n.node_id[:8]}]: {res}")
+    return "\n".join(lines)
+
+
+def _fmt(res: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in res.items()) + "}"
+
+
+def create_pool_group(pool: PoolPlan, timeout_s: float) -> PlacementGroup:
+    bundles = [node_bundle(pool) for _ in range(pool.nodes)]
+    strategy = "STRICT_SPREAD" if pool.nodes > 1 else "STRICT_PACK"
+    pg = placement_group(bundles, strategy=strategy, name=f"fleetrl-{pool.name}-{time.time_ns()}")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"placement group for pool '{pool.name}' ({pool.nodes} node(s) × {_fmt(node_bundle(pool))}, "
+            f"{strategy}) was not ready after {timeout_s:g}s. Other jobs may hold the resources, or nodes left.\n"
+            f"{describe_nodes(cluster_nodes())}\nFix: free resources, shrink the pool, or raise "
+            f"cluster.placement_timeout_s") from None
+    return pg
+
+
+def bundle_nodes(pg: PlacementGroup) -> list[str]:
+    """Node id of each bundle of a ready placement group."""
+    table = ray.util.placement_group_table(pg)
+    mapping = table.get("bundles_to_node_id", {})
+    return [mapping.get(i, "") for i in range(len(table.get("bundles", {})))]

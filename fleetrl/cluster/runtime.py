@@ -1,0 +1,31 @@
+"""Connecting the driver to Ray: start a local cluster when the config names none, or join one."""
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from fleetrl.config.schema import ClusterConfig
+
+log = logging.getLogger("fleetrl.cluster")
+
+
+def ensure_ray(cfg: ClusterConfig) -> bool:
+    """Returns True when this call started Ray (so the caller should shut it down)."""
+    if cfg.backend == "local" or ray.is_initialized():
+        return False
+    # Workers inherit the driver's env unless told otherwise; pin their threads so a 2-core machine with several
+    # workers does not oversubscribe (users override through cluster.env).
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **cfg.env}
+    kwargs = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env},
+                  configure_logging=True, logging_level=logging.WARNING)
+    if cfg.address is None:
+        # address="local" so a stale cluster file from another run can't make us join the wrong cluster.
+        ray.init(address="local", num_cpus=cfg.num_cpus or os.cpu_count(), **kwargs)
+        log.info("started a local Ray cluster")
+    else:
+        kwargs.pop("include_dashboard")
+        ray.init(address=cfg.address, **kwargs)
+        log.info("joined Ray cluster at %s", cfg.address)
+    return True

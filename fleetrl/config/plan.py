@@ -1,0 +1,197 @@
+"""The ONE validate-and-derive step: RunConfig -> frozen Plan (world sizes, per-rank batch sizes, pools).
+
+Every check raises ConfigError with the numbers involved and which keys to change. Nothing downstream
+re-derives these numbers or mutates the config.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+from fleetrl.config.load import ConfigError
+from fleetrl.config.schema import PoolConfig, RunConfig
+
+ROLES = ("actor", "rollout", "ref", "critic")
+# Estimators that compare samples of the same prompt need at least two of them.
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+ENGINES = ("hf", "fast")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolPlan:
+    name: str
+    nodes: int
+    bundles_per_node: int
+    bundle: dict[str, float]
+    roles: tuple[str, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.bundles_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    config: RunConfig
+    pools: dict[str, PoolPlan]
+    roles: dict[str, str]  # active role -> pool name
+    use_critic: bool
+    use_ref: bool
+    samples_per_step: int
+    mini_batch_samples: int
+    num_mini_batches: int
+    micro_batch_size: int  # per rank
+    total_steps: int | None
+    world: dict[str, int] = field(default_factory=dict)  # active role -> data-parallel size
+
+    def pool_of(self, role: str) -> PoolPlan:
+        return self.pools[self.roles[role]]
+
+    def summary(self) -> dict:
+        return {
+            "roles": {r: f"{p} (dp={self.world[r]})" for r, p in self.roles.items()},
+            "pools": {n: {"nodes": p.nodes, "bundles_per_node": p.bundles_per_node, "bundle": p.bundle,
+                          "roles": list(p.roles)} for n, p in self.pools.items()},
+            "samples_per_step": self.samples_per_step,
+            "mini_batch_samples": self.mini_batch_samples,
+            "num_mini_batches": self.num_mini_batches,
+            "micro_batch_size_per_rank": self.micro_batch_size,
+            "use_critic": self.use_critic,
+            "use_ref": self.use_ref,
+            "total_steps": self.total_steps,
+        }
+
+
+def derive_plan(cfg: RunConfig) -> Plan:
+    _check_names(cfg)
+    _check_sampling(cfg)
+    use_critic = cfg.algorithm.advantage == "gae"
+    use_ref = cfg.algorithm.kl.placement != "none"
+    active = [r for r in ROLES if (r != "critic" or use_critic) and (r != "ref" or use_ref)]
+    roles = _map_roles(cfg, active)
+    pools = {name: _pool_plan(name, pc, tuple(r for r in active if roles[r] == name))
+             for name, pc in cfg.cluster.pools.items() if any(roles[r] == name for r in active)}
+    world = {r: pools[roles[r]].world_size for r in active}
+    if cfg.cluster.backend == "local" and any(w > 1 for w in world.values()):
+        raise ConfigError(f"cluster.backend=local holds workers in the driver process, so every pool must have "
+                          f"one worker; got world sizes {world}. Use cluster.backend=ray for data parallelism")
+    samples, mini, n_mini, micro = _batch_arithmetic(cfg, world)
+    return Plan(config=cfg, pools=pools, roles=roles, use_critic=use_critic, use_ref=use_ref,
+                samples_per_step=samples, mini_batch_samples=mini, num_mini_batches=n_mini,
+                micro_batch_size=micro, total_steps=cfg.trainer.total_steps, world=world)
+
+
+def _check_names(cfg: RunConfig) -> None:
+    from fleetrl.algo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+
+    a = cfg.algorithm
+    _one_of("algorithm.advantage", a.advantage, ADVANTAGES.names())
+    _one_of("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES.names())
+    _one_of("algorithm.loss_agg", a.loss_agg, AGGREGATIONS.names())
+    _one_of("algorithm.kl.estimator", a.kl.estimator, KL_ESTIMATORS.names())
+    _one_of("algorithm.kl.placement", a.kl.placement, ["none", "reward", "loss"])
+    _one_of("algorithm.kl.controller", a.kl.controller, ["fixed", "adaptive"])
+    _one_of("rollout.engine", cfg.rollout.engine, list(ENGINES))
+    _one_of("cluster.backend", cfg.cluster.backend, ["ray", "local"])
+    for role, optim in (("actor", cfg.actor.optim), ("critic", cfg.critic.optim)):
+        _one_of(f"{role}.optim.schedule", optim.schedule, ["constant", "linear", "cosine"])
+    if a.dual_clip is not None and a.dual_clip <= 1.0:
+        raise ConfigError(f"algorithm.dual_clip must be > 1 (Ye et al. 2020 use 3), got {a.dual_clip}")
+    if cfg.trainer.total_steps is None and cfg.trainer.total_epochs is None:
+        raise ConfigError("set trainer.total_steps or trainer.total_epochs")
+
+
+def _check_sampling(cfg: RunConfig) -> None:
+    r = cfg.rollout
+    if r.n < 1 or r.val_n < 1:
+        raise ConfigError(f"rollout.n and rollout.val_n must be >= 1 (got {r.n}, {r.val_n})")
+    if cfg.algorithm.advantage in GROUP_ESTIMATORS and r.n < 2:
+        raise ConfigError(f"algorithm.advantage={cfg.algorithm.advantage} compares samples of the same prompt, "
+                          f"so rollout.n must be >= 2 (got {r.n}); raise rollout.n or use gae/reinforce_plus_plus")
+    if r.temperature < 0 or r.val_temperature < 0:
+        raise ConfigError("rollout.temperature and rollout.val_temperature must be >= 0 (0 = greedy)")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if r.max_new_tokens < 1:
+        raise ConfigError(f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+
+
+def _map_roles(cfg: RunConfig, active: list[str]) -> dict[str, str]:
+    for role in cfg.cluster.roles:
+        if role not in ROLES:
+            raise ConfigError(_did_you_mean(f"cluster.roles.{role}", role, ROLES, "role"))
+    roles = {}
+    for role in active:
+        pool = cfg.cluster.roles.get(role, cfg.cluster.roles.get("actor", "main"))
+        if pool not in cfg.cluster.pools:
+            raise ConfigError(_did_you_mean(f"cluster.roles.{role}", pool, list(cfg.cluster.pools), "pool")
+                              + " — define it under cluster.pools")
+        roles[role] = pool
+    return roles
+
+
+def _pool_plan(name: str, pc: PoolConfig, roles: tuple[str, ...]) -> PoolPlan:
+    if pc.nodes < 1 or pc.workers_per_node < 1:
+        raise ConfigError(f"cluster.pools.{name}: nodes and workers_per_node must be >= 1")
+    if pc.cpus_per_worker <= 0 and pc.gpus_per_worker <= 0:
+        raise ConfigError(f"cluster.pools.{name}: a worker needs cpus_per_worker > 0 or gpus_per_worker > 0")
+    bundle = {"CPU": pc.cpus_per_worker}
+    if pc.gpus_per_worker:
+        bundle["GPU"] = pc.gpus_per_worker
+    bundle.update(pc.resources)
+    return PoolPlan(name=name, nodes=pc.nodes, bundles_per_node=pc.workers_per_node, bundle=bundle, roles=roles)
+
+
+def _batch_arithmetic(cfg: RunConfig, world: dict[str, int]) -> tuple[int, int, int, int]:
+    n, prompts = cfg.rollout.n, cfg.data.prompts_per_step
+    samples = prompts * n
+    for role, dp in world.items():
+        if samples % dp:
+            raise ConfigError(
+                f"data.prompts_per_step × rollout.n = {prompts} × {n} = {samples} samples do not split over the "
+                f"{dp} data-parallel workers of role '{role}'; make data.prompts_per_step a multiple of "
+                f"{dp // _gcd(dp, n)} or change that pool's nodes/workers_per_node")
+    mini_prompts = cfg.algorithm.mini_batch_prompts or prompts
+    if prompts % mini_prompts:
+        raise ConfigError(f"algorithm.mini_batch_prompts={mini_prompts} does not divide data.prompts_per_step="
+                          f"{prompts}; choose a divisor (e.g. {_divisors(prompts)})")
+    mini = mini_prompts * n
+    micro = cfg.algorithm.micro_batch_size
+    for role in ("actor", "critic"):
+        dp = world.get(role)
+        if dp is None:
+            continue
+        if mini % dp:
+            raise ConfigError(f"a mini-batch of {mini_prompts} prompts × {n} = {mini} samples does not split over "
+                              f"{dp} '{role}' workers; make algorithm.mini_batch_prompts × rollout.n a multiple "
+                              f"of {dp}")
+        per_rank = mini // dp
+        if micro < 1 or per_rank % micro:
+            raise ConfigError(f"each '{role}' worker gets {per_rank} samples per mini-batch "
+                              f"({mini} / {dp} workers), which is not a multiple of algorithm.micro_batch_size="
+                              f"{micro}; set micro_batch_size to a divisor of {per_rank} "
+                              f"(e.g. {_divisors(per_rank)})")
+    if cfg.algorithm.ppo_epochs < 1:
+        raise ConfigError(f"algorithm.ppo_epochs must be >= 1, got {cfg.algorithm.ppo_epochs}")
+    return samples, mini, prompts // mini_prompts, micro
+
+
+def _one_of(key: str, value: str, choices: list[str]) -> None:
+    if value not in choices:
+        raise ConfigError(_did_you_mean(key, value, choices, "value"))
+
+
+def _did_you_mean(key: str, value: str, choices, what: str) -> str:
+    guess = difflib.get_close_matches(str(value), list(choices), n=1)
+    hint = f"; did you mean {guess[0]!r}?" if guess else ""
+    return f"{key}: unknown {what} {value!r}{hint} (choose from: {', '.join(map(str, choices))})"
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _divisors(k: int) -> str:
+    return ", ".join(str(d) for d in range(1, k + 1) if k % d == 0)

@@ -1,0 +1,136 @@
+"""Training engine: one model on one device, with its optimiser, schedule and data-parallel gradient sync.
+
+Data parallelism: every rank sums its micro-batch losses, each already normalised by the GLOBAL token or
+sequence count of the mini-batch (see algo.losses.aggregate), so the exact full-batch gradient is the SUM of
+the ranks' gradients. We all-reduce gradients with SUM ourselves (flattened, one collective per dtype) instead
+of DDP, whose mean would need a world-size rescale and whose bucket hooks fight with gradient accumulation.
+On GPU with `sharded=True` the model is wrapped with FSDP2 (`fully_shard`), which reduce-scatters with a mean;
+there we scale the loss by the world size to get the same sum.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fleetrl.config.schema import OptimConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    group: object | None = None  # a torch.distributed ProcessGroup, None = default group
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+def make_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int | None) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant / linear / cosine decay to min_lr_ratio over total_steps optimiser steps."""
+    warm, floor = cfg.warmup_steps, cfg.min_lr_ratio
+    total = max(total_steps or 1, 1)
+
+    def factor(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        decay = 1 - progress if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return floor + (1 - floor) * decay
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+class TrainingEngine:
+    """Owns params + optimiser + schedule; `step(micro_batches, loss_fn)` does one optimiser step."""
+
+    def __init__(self, model: nn.Module, optim: OptimConfig, *, dist_info: DistInfo = DistInfo(),
+                 total_optimizer_steps: int | None = None, device: torch.device | str = "cpu",
+                 sharded: bool = False) -> None:
+        self.model = model
+        self.dist = dist_info
+        self.device = torch.device(device)
+        self.sharded = sharded and self.device.type == "cuda" and dist_info.active
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in _decoder_layers(model):
+                fully_shard(layer)
+            fully_shard(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        fused = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                           weight_decay=optim.weight_decay, foreach=not fused, fused=fused or None)
+        self.scheduler = make_scheduler(self.optimizer, optim, total_optimizer_steps)
+        self.grad_clip = optim.grad_clip
+
+    def step(self, micro_batches: Iterator, loss_fn: Callable[[object], tuple[torch.Tensor, dict[str, float]]]) -> dict[str, float]:
+        """Accumulates gradients over micro-batches, syncs them across ranks, clips, steps.
+
+        loss_fn returns (loss, metrics) for a micro-batch; the loss must already be normalised by global counts.
+        Returns summed metrics plus grad_norm and lr. A non-finite grad norm skips the update (counted).
+        """
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        scale = self.dist.world_size if self.sharded else 1.0
+        for mb in micro_batches:
+            loss, metrics = loss_fn(mb)
+            (loss * scale).backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        if self.dist.active and not self.sharded:
+            self._all_reduce_grads()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if math.isfinite(norm):
+            self.optimizer.step()
+            totals["skipped"] = 0.0
+        else:
+            totals["skipped"] = 1.0  # a NaN/inf gradient must not poison the weights
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**totals, "grad_norm": norm, "lr": lr}
+
+    def _all_reduce_grads(self) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.model.parameters():
+            if p.requires_grad:
+                if p.grad is None:  # unused this step on this rank: contribute zeros so shapes line up
+                    p.grad = torch.zeros_like(p)
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dist.group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    for name in ("model.layers", "model.model.layers", "backbone.layers", "layers"):
+        mod = model
+        try:
+            for part in name.split("."):
+                mod = getattr(mod, part)
+            return list(mod)
+        except AttributeError:
+            continue
+    return []

@@ -1,0 +1,132 @@
+"""Per-token log-probabilities of responses under a causal LM: the one function the engines and the trainer share.
+
+Layout: prompts [B, P] left-padded, responses [B, R] right-padded (see fleetrl/batch.py). Concatenated, every
+row's prompt ends at column P-1 and its response starts at column P, so the logits that predict response
+token r sit at column P-1+r for every row: one slice, no per-row gather.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# Config attributes that transform logits after the LM head; the chunked path applies the head itself and
+# would silently skip them.
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def build_inputs(
+    prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, responses_BR: torch.Tensor, response_mask_BR: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (input_ids, attention_mask, position_ids), each [B, P+R].
+
+    position_ids count real tokens only (cumsum(mask) - 1), so a left-padded prompt starts at position 0 as it
+    would unpadded; pad slots get 0 (their value is irrelevant: they are masked as keys and ignored as queries).
+    """
+    input_ids = torch.cat([prompts_BP, responses_BR], dim=1)
+    attention_mask = torch.cat([prompt_mask_BP, response_mask_BR], dim=1).long()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def sequence_logprobs(
+    model: nn.Module,
+    prompts_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    responses_BR: torch.Tensor,
+    response_mask_BR: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature) at each response token, [B, R] float32; 0 where response_mask is 0.
+
+    Also returns the entropy of that distribution per response token ([B, R], 0 where masked) when
+    `return_entropy`. With `chunk_size`, the LM head and log-softmax run over `chunk_size` response positions
+    at a time (B x chunk x V fp32 at most); under autograd each chunk is checkpointed so its logits are
+    recomputed in backward instead of kept. Without it, the model's own forward produces all logits at once.
+    Differentiable; call under torch.no_grad() for rollouts.
+    """
+    if temperature <= 0:
+        raise ValueError(f"sequence_logprobs: temperature must be > 0, got {temperature} (greedy rollouts report "
+                         "logprobs at temperature 1.0)")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"sequence_logprobs: chunk_size must be a positive int or None, got {chunk_size}")
+    P, R = prompts_BP.shape[1], responses_BR.shape[1]
+    if P == 0:
+        raise ValueError("sequence_logprobs: prompts have width 0; every sample needs at least one prompt token "
+                         "(e.g. BOS) to condition the first response token on")
+    mask = response_mask_BR.to(torch.float32)
+    if R == 0:
+        return torch.zeros_like(mask), (torch.zeros_like(mask) if return_entropy else None)
+    input_ids, attention_mask, position_ids = build_inputs(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
+    if chunk_size is None:
+        logits = _full_logits(model, input_ids, attention_mask, position_ids, R)
+        logp_BR, entropy_BR = _chunk_stats(logits, responses_BR, None, temperature, return_entropy)
+    else:
+        hidden, head = _response_hidden(model, input_ids, attention_mask, position_ids, P, R), _lm_head(model)
+        pieces = []
+        for start in range(0, R, chunk_size):
+            args = (hidden[:, start:start + chunk_size], responses_BR[:, start:start + chunk_size], head,
+                    temperature, return_entropy)
+            pieces.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled()
+                          else _chunk_stats(*args))
+        logp_BR, entropy_BR = (torch.cat(t, dim=1) for t in zip(*pieces))
+    return logp_BR * mask, (entropy_BR * mask if return_entropy else None)
+
+
+def _chunk_stats(
+    x: torch.Tensor, targets: torch.Tensor, head: nn.Module | None, temperature: float, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: hidden states [B, c, H] (head given) or logits [B, c, V] (head None). Returns logp, entropy [B, c]."""
+    logits = (head(x) if head is not None else x).float() / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    if not return_entropy:
+        return logp, torch.zeros_like(logp)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _full_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor, R: int) -> torch.Tensor:
+    """Logits at the R positions that predict the response tokens: [B, R, V]."""
+    kwargs = {}
+    if _accepts(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = R + 1  # the last R+1 columns; the final one predicts past the end
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                **kwargs)
+    return out.logits[:, -(R + 1):-1]
+
+
+def _response_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     position_ids: torch.Tensor, P: int, R: int) -> torch.Tensor:
+    """Final hidden states at the R positions that predict the response tokens: [B, R, H]."""
+    for name in _LOGIT_POSTPROCESSING:
+        if getattr(getattr(model, "config", None), name, None) not in (None, 1.0):
+            raise ValueError(f"sequence_logprobs(chunk_size=...) applies the LM head itself and cannot reproduce "
+                             f"this model's `{name}`; use chunk_size=None for {type(model).__name__}")
+    from fleetrl.models.value_head import backbone_of  # local import: value_head imports this module
+
+    out = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False)
+    return out.last_hidden_state[:, P - 1:P + R - 1]
+
+
+def _lm_head(model: nn.Module) -> nn.Module:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError(f"sequence_logprobs(chunk_size=...) needs a causal LM with an output embedding (LM head); "
+                         f"{type(model).__name__} has none")
+    return head
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False

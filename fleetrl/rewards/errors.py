@@ -1,0 +1,6 @@
+"""RewardError: a reward configuration problem (scorer spec, data_source routing) the user can fix."""
+from __future__ import annotations
+
+
+class RewardError(ValueError):
+    """A reward setting is wrong; the message says what was found, what was expected and what to change."""

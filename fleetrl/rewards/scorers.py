@@ -1,0 +1,176 @@
+"""Built-in reward scorers: pure functions `(response, ground_truth, extra_info) -> float` in [0, 1].
+
+A ground truth may be a list/tuple of acceptable answers for every scorer here; any match scores 1.0.
+"""
+from __future__ import annotations
+
+import re
+import string
+from fractions import Fraction
+from functools import lru_cache
+from typing import Any, Callable
+
+from fleetrl.rewards.errors import RewardError
+
+Scorer = Callable[[str, Any, dict], "float | dict"]
+
+
+def _candidates(ground_truth: Any) -> list[str]:
+    items = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
+    return [str(g).strip() for g in items if g is not None]
+
+
+# -------------------------------------------------------------------------------------------- exact / prefix
+def exact_match(response: str, ground_truth: Any, extra_info: dict) -> float:
+    """1.0 when the stripped response equals (as a string) the ground truth or one of a list of them."""
+    return float(response.strip() in _candidates(ground_truth))
+
+
+def prefix_match(response: str, ground_truth: Any, extra_info: dict) -> float:
+    """1.0 when the stripped response starts with the answer followed by its end, whitespace or punctuation.
+
+    For tasks that ask for the answer first ("42. Because ..."); "421" does not match "42".
+    """
+    text = response.strip()
+    for answer in _candidates(ground_truth):
+        if answer and text.startswith(answer):
+            rest = text[len(answer):]
+            if not rest or rest[0].isspace() or rest[0] in string.punctuation:
+                return 1.0
+    return 0.0
+
+
+# --------------------------------------------------------------------------------------------------- gsm8k
+# An optional sign and dollar sign, then digits with thousands commas and an optional decimal part.
+_NUMBER = re.compile(r"-?\$?-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+
+
+def _parse_number(token: str) -> Fraction | None:
+    cleaned = token.replace(",", "").replace("$", "").rstrip(".")
+    try:
+        return Fraction(cleaned)  # Fraction("3.0") == Fraction("3"): compares values, not spellings
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def gsm8k_answer(text: str) -> Fraction | None:
+    """The number after the last `####` when present, else the last number in the text."""
+    marker = text.rfind("####")
+    if marker >= 0:
+        found = _NUMBER.search(text[marker + 4:])
+        return _parse_number(found.group()) if found else None
+    numbers = _NUMBER.findall(text)
+    return _parse_number(numbers[-1]) if numbers else None
+
+
+def gsm8k(response: str, ground_truth: Any, extra_info: dict) -> float:
+    """GSM8K: the predicted number (see `gsm8k_answer`) equals the ground truth number."""
+    predicted = gsm8k_answer(response)
+    if predicted is None:
+        return 0.0
+    # Ground truths are usually the bare number, but the original dataset's full "... #### 72" also works.
+    return float(any(gsm8k_answer(g) == predicted for g in _candidates(ground_truth)))
+
+
+# ---------------------------------------------------------------------------------------------------- math
+def last_boxed(text: str) -> str | None:
+    """Contents of the last \\boxed{...} (or \\fbox{...}), with nested braces balanced; None if absent."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    open_at = text.index("{", start)
+    depth = 0
+    for i in range(open_at, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[open_at + 1:i]
+    return None  # unbalanced: the response was cut off inside the box
+
+
+_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "^\\circ", "^{\\circ}", "\\%", "%")
+_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+
+
+def normalize_math(answer: str) -> str:
+    """Canonical spelling of a LaTeX answer: no spacing commands, \\left/\\right, units of degrees/percent."""
+    s = answer.strip()
+    for token in _DROP:
+        s = s.replace(token, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = _WRAPPERS.sub(r"\1", s)
+    s = re.sub(r"\s+", "", s)
+    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)  # \frac12 shorthand
+    s = re.sub(r"\\frac\{([^{}]*)\}(\d)", r"\\frac{\1}{\2}", s)  # \frac{1}2
+    if s.count("=") == 1 and re.match(r"^[a-zA-Z]\w*=", s):  # "x=5" -> "5"
+        s = s.split("=", 1)[1]
+    return s.rstrip(".")
+
+
+_FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
+_SLASH = re.compile(r"^(-?\d+)/(-?\d+)$")
+_DECIMAL = re.compile(r"^-?(?:\d[\d,]*(?:\.\d*)?|\.\d+)$")
+
+
+def math_value(normalized: str) -> Fraction | None:
+    """Exact value of a normalized numeric answer (\\frac{a}{b}, a/b, integer, decimal), else None."""
+    try:
+        if m := _FRAC.match(normalized):
+            value = Fraction(int(m.group(2)), int(m.group(3)))
+            return -value if m.group(1) else value
+        if m := _SLASH.match(normalized):
+            return Fraction(int(m.group(1)), int(m.group(2)))
+        if _DECIMAL.match(normalized):
+            return Fraction(normalized.replace(",", ""))
+    except ZeroDivisionError:
+        return None
+    return None
+
+
+def math_answer(response: str, ground_truth: Any, extra_info: dict) -> float:
+    """MATH-style: the last \\boxed{} answer equals the ground truth after `normalize_math`.
+
+    Numeric answers compare as exact fractions (\\frac{1}{2} == 1/2 == 0.5); others compare as normalized
+    strings. A ground truth that itself contains \\boxed{} (a full solution) is reduced to its box first.
+    """
+    boxed = last_boxed(response)
+    if boxed is None:
+        return 0.0
+    predicted = normalize_math(boxed)
+    value = math_value(predicted)
+    for truth in _candidates(ground_truth):
+        expected = normalize_math(last_boxed(truth) or truth)
+        if predicted == expected:
+            return 1.0
+        if value is not None and value == math_value(expected):
+            return 1.0
+    return 0.0
+
+
+# -------------------------------------------------------------------------------------------------- format
+# A non-empty <think>...</think> block, then a non-empty answer after it (the R1-style reasoning format).
+DEFAULT_FORMAT_PATTERN = r"\s*<think>.*?\S.*?</think>\s*\S.*"
+
+
+@lru_cache(maxsize=256)
+def _compile(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern, re.DOTALL)
+
+
+def make_format_scorer(pattern: str = DEFAULT_FORMAT_PATTERN) -> Scorer:
+    """A scorer giving 1.0 when the whole response matches `pattern` (re.fullmatch, DOTALL).
+
+    A sample's extra_info["format_regex"], when present, replaces the pattern for that sample.
+    """
+    try:
+        _compile(pattern)
+    except re.error as exc:
+        raise RewardError(f"format reward pattern {pattern!r} is not a valid regular expression: {exc}") from exc
+
+    def format_match(response: str, ground_truth: Any, extra_info: dict) -> float:
+        regex = (extra_info or {}).get("format_regex") or pattern
+        return float(_compile(regex).fullmatch(response) is not None)
+
+    return format_match
+
+
+format_match = make_format_scorer()

@@ -1,0 +1,57 @@
+"""Controller-side data: datasets, the resumable sampler, and collated prompt batches."""
+from __future__ import annotations
+
+from typing import Any
+
+import fleetrl.data.tasks  # noqa: F401  (registers the built-in synthetic tasks)
+from fleetrl.batch import Batch
+from fleetrl.config.schema import RunConfig
+from fleetrl.data.mixture import MixtureDataset, load_dataset
+from fleetrl.models.hf import load_tokenizer
+
+
+class PromptFeed:
+    def __init__(self, cfg: RunConfig, spec: Any, tokenizer: Any, *, seed: int, shuffle: bool) -> None:
+        d = cfg.data
+        self.tokenizer = tokenizer
+        self.dataset: MixtureDataset = load_dataset(
+            spec, tokenizer, weights=d.weights, input_key=d.input_key, label_key=d.label_key,
+            default_data_source=d.default_data_source, max_prompt_length=d.max_prompt_length,
+            apply_chat_template=d.apply_chat_template)
+        self.sampler = self.dataset.make_sampler(seed=seed, shuffle=shuffle)
+
+    @classmethod
+    def for_train(cls, cfg: RunConfig, tokenizer: Any = None) -> "PromptFeed":
+        tok = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.path,
+                                          trust_remote_code=cfg.model.trust_remote_code)
+        return cls(cfg, cfg.data.train, tok, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+
+    @classmethod
+    def for_val(cls, cfg: RunConfig, tokenizer: Any = None) -> "PromptFeed | None":
+        if cfg.data.val is None:
+            return None
+        tok = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.path,
+                                          trust_remote_code=cfg.model.trust_remote_code)
+        return cls(cfg, cfg.data.val, tok, seed=cfg.trainer.seed, shuffle=False)
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    def next_batch(self, size: int) -> Batch:
+        return self.dataset.next_batch(self.sampler, size, self.pad_id)
+
+    def all_batches(self, size: int, limit: int | None = None) -> list[Batch]:
+        """Every prompt once, in order (validation)."""
+        from fleetrl.data.collate import collate
+
+        keys = [(t, i) for t, d in self.dataset.datasets.items() for i in range(len(d))]
+        if limit is not None:
+            keys = keys[:limit]
+        return [collate([self.dataset[k] for k in keys[j:j + size]], self.pad_id) for j in range(0, len(keys), size)]
+
+    def num_prompts(self) -> int:
+        return len(self.dataset)
+
+    def data_sources(self) -> set[str]:
+        return set(self.dataset.data_sources)

@@ -1,0 +1,66 @@
+"""Per-step metrics computed on the controller from a finished batch, and reduction of worker metrics."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+from fleetrl.algo import masked_mean
+from fleetrl.batch import Batch
+from fleetrl.config.schema import RunConfig
+
+# Identical on every rank (computed after the gradient all-reduce): take rank 0's value, never sum.
+_SAME_ON_ALL_RANKS = ("grad_norm", "lr", "skipped_updates")
+
+
+def rank_reduce(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Worker metrics are shares of a global mean (see workers/actor.py), so ranks add up."""
+    out: dict[str, float] = {}
+    for key in per_rank[0]:
+        if key.endswith(_SAME_ON_ALL_RANKS):
+            out[key] = per_rank[0][key]
+        else:
+            out[key] = float(sum(m[key] for m in per_rank))
+    return out
+
+
+def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, cfg: RunConfig) -> dict[str, float]:
+    m: dict[str, float] = {}
+    scores = batch["scores"].numpy()
+    m["train/reward_mean"] = float(scores.mean())
+    m["train/reward_std"] = float(scores.std())
+    for ds, vals in _by_source(batch["data_source"], scores).items():
+        m[f"train/reward/{ds}/mean"] = float(np.mean(vals))
+    mask = batch["response_mask"]
+    lengths = mask.sum(-1).float()
+    m["train/response_length_mean"] = float(lengths.mean())
+    m["train/response_length_max"] = float(lengths.max())
+    m["train/response_clip_ratio"] = float(np.mean([f == "length" for f in batch["finish_reason"]]))
+    m["train/prompt_length_mean"] = float(batch["prompt_mask"].sum(-1).float().mean())
+    fmask = mask.float()
+    m["train/entropy"] = float(masked_mean(batch["entropy"], fmask))
+    diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * fmask
+    m["train/rollout_logprob_diff_mean"] = float(diff.sum() / fmask.sum().clamp(min=1))
+    m["train/rollout_logprob_diff_max"] = float(diff.max())
+    if "kl" in batch.meta:
+        m["train/kl"] = float(batch.meta["kl"])
+    m["train/advantage_mean"] = float(masked_mean(batch["advantages"], fmask))
+    for k, v in batch.meta.get("reward_stats", {}).items():
+        m[f"train/{k}"] = float(v)
+    for k, v in timings.items():
+        m[f"train/time/{k}"] = float(v)
+    m["train/time/step"] = step_s
+    tokens = float(batch["prompt_mask"].sum() + mask.sum())
+    m["train/tokens_per_s"] = tokens / max(step_s, 1e-9)
+    return m
+
+
+def _by_source(sources: np.ndarray, values: np.ndarray) -> dict[str, list[float]]:
+    groups: dict[str, list[float]] = defaultdict(list)
+    for s, v in zip(sources, values):
+        groups[str(s)].append(float(v))
+    return groups
+
+
+def pass_at_k(scores_by_prompt: list[list[float]], threshold: float = 1.0) -> float:
+    """Fraction of prompts with at least one sample scoring >= threshold (a success)."""
+    return float(np.mean([any(s >= threshold for s in row) for row in scores_by_prompt]))

@@ -1,0 +1,48 @@
+"""Controller-side scoring: decode responses, route each sample to its scorer (or remote servers), count
+failures. A failing or hanging reward function scores `rewards.default_score` and shows up in the metrics."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fleetrl.batch import Batch
+from fleetrl.config.schema import RunConfig
+from fleetrl.rewards.registry import RewardRouter
+from fleetrl.rewards.runner import RewardRunner
+
+# The built-in synthetic tasks ask for the answer first, so they are scored on the first word.
+BUILTIN_SOURCES = {"synthetic/copy": "prefix_match", "synthetic/next": "prefix_match"}
+
+
+class RewardScorer:
+    def __init__(self, cfg: RunConfig, tokenizer: Any) -> None:
+        r = cfg.rewards
+        self.tokenizer = tokenizer
+        self.remote = None
+        if r.remote_urls:
+            from fleetrl.rewards.remote import RemoteRewardClient
+
+            self.remote = RemoteRewardClient(list(r.remote_urls), token=r.remote_token, timeout_s=r.timeout_s)
+            self.remote.check_health()  # refuse to start training against a server that is down
+        self.router = RewardRouter({**BUILTIN_SOURCES, **r.sources}, default=r.default)
+        self.runner = RewardRunner(self.router, timeout_s=r.timeout_s, default_score=r.default_score,
+                                   num_workers=r.num_workers, isolation=r.isolation)
+
+    def check_sources(self, sources: set[str]) -> None:
+        if self.remote is None:
+            self.router.check_sources(sorted(sources))
+
+    def decode(self, batch: Batch) -> list[str]:
+        return [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+                for r, m in zip(batch["responses"], batch["response_mask"])]
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        texts = self.decode(batch)
+        args = (texts, list(batch["ground_truth"]), list(batch["data_source"]), list(batch["extra_info"]))
+        if self.remote is not None:
+            scores = self.remote.score(*args)
+            return torch.tensor(scores, dtype=torch.float32), {"reward_errors": 0.0, "reward_timeouts": 0.0}
+        result = self.runner.score(*args)
+        stats = {"reward_errors": float(result.num_errors), "reward_timeouts": float(result.num_timeouts)}
+        return torch.tensor(result.scores, dtype=torch.float32), stats

@@ -1,0 +1,203 @@
+"""The controller: one RL step as named phases, and `fit()`, the loop that calls them.
+
+PPO and the GRPO family differ only by registry entries (advantage estimator; whether a critic and a
+reference exist, decided once in the Plan), never by a branch of this file.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from fleetrl.algo import ADVANTAGES, AdvantageInputs, apply_kl_penalty, kl_estimate, make_kl_controller, masked_mean
+from fleetrl.batch import Batch
+from fleetrl.cluster.group import WorkerGroup, order_for_dp
+from fleetrl.config.plan import Plan
+from fleetrl.trainer.feed import PromptFeed
+from fleetrl.trainer.metrics import rank_reduce, rollout_metrics
+from fleetrl.trainer.rewards import RewardScorer
+from fleetrl.trainer.validate import validate
+from fleetrl.tracking.tracker import Tracker
+from fleetrl.workers.worker import Worker
+
+log = logging.getLogger("fleetrl.trainer")
+
+
+class Trainer:
+    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path) -> None:
+        self.plan, self.cfg, self.tracker, self.out_dir = plan, plan.config, tracker, out_dir
+        self.train_feed = PromptFeed.for_train(self.cfg)
+        self.val_feed = PromptFeed.for_val(self.cfg)
+        self.scorer = RewardScorer(self.cfg, self.train_feed.tokenizer)
+        self.scorer.check_sources(self.train_feed.data_sources() | (self.val_feed.data_sources() if self.val_feed else set()))
+        kl = self.cfg.algorithm.kl
+        self.kl_ctl = make_kl_controller(kl.controller, kl.coef, kl.target, kl.horizon)
+        self.step = 0
+        self.weights_version = 0
+        self.groups: dict[str, WorkerGroup] = {}
+        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, float]:
+        self.build_groups()
+        total = self.total_steps()
+        last: dict[str, float] = {}
+        if self.val_feed and self.cfg.trainer.val_before_train and self.step == 0:
+            self.tracker.log(self.step, self.validate())
+        self.tracker.start_progress(total, self.step)
+        while self.step < total:
+            self.timings = {}
+            t0 = time.perf_counter()
+            batch = self.generate(self.train_feed.next_batch(self.cfg.data.prompts_per_step))
+            batch = self.score(batch)
+            batch = self.logprobs(batch)
+            batch = self.values(batch)
+            batch = self.advantages(batch)
+            metrics = self.update(batch)
+            self.sync()
+            self.step += 1
+            metrics.update(rollout_metrics(batch, self.timings, time.perf_counter() - t0, self.cfg))
+            metrics["train/kl_coef"] = self.kl_ctl.coef
+            self.checkpoint()
+            if self.val_feed and self.cfg.trainer.val_every and (self.step % self.cfg.trainer.val_every == 0
+                                                                  or self.step == total):
+                metrics.update(self.validate())
+            self.tracker.log(self.step, metrics)
+            last = metrics
+        self.tracker.finish()
+        return last
+
+    # ---------------------------------------------------------------------------------------- phases
+    def generate(self, prompts: Batch) -> Batch:
+        n = self.cfg.rollout.n
+        with self._timed("generate"):
+            batch = prompts.repeat_interleave(n)
+            batch.tensors["group"] = torch.arange(len(prompts)).repeat_interleave(n)
+            request = batch.pick("prompts", "prompt_mask")
+            request.meta.update(seed=self.cfg.trainer.seed * 100_003 + self.step, min_weights_version=self.weights_version)
+            out = self.group("rollout").call_split(Worker.generate, request)
+            return batch.update(out)
+
+    def score(self, batch: Batch) -> Batch:
+        with self._timed("score"):
+            scores, stats = self.scorer.score(batch)
+            batch.tensors["scores"] = scores
+            batch.meta["reward_stats"] = stats
+            return batch
+
+    def logprobs(self, batch: Batch) -> Batch:
+        with self._timed("logprobs"):
+            seq = batch.pick("prompts", "prompt_mask", "responses", "response_mask")
+            batch = batch.update(self.group("actor").call_split(Worker.compute_logprobs, seq))
+            if self.plan.use_ref:
+                batch = batch.update(self.group("ref").call_split(Worker.compute_ref_logprobs, seq))
+            return batch
+
+    def values(self, batch: Batch) -> Batch:
+        if not self.plan.use_critic:
+            return batch
+        with self._timed("values"):
+            seq = batch.pick("prompts", "prompt_mask", "responses", "response_mask")
+            return batch.update(self.group("critic").call_split(Worker.compute_values, seq))
+
+    def advantages(self, batch: Batch) -> Batch:
+        algo = self.cfg.algorithm
+        mask = batch["response_mask"].float()
+        token_rewards = None
+        if self.plan.use_ref:
+            kl_bt = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algo.kl.estimator) * mask
+            seq_kl = float(masked_mean(kl_bt, mask))
+            batch.meta["kl"] = seq_kl
+            if algo.kl.placement == "reward":
+                token_rewards, _ = apply_kl_penalty(batch["scores"], batch["old_logprobs"], batch["ref_logprobs"],
+                                                    mask, self.kl_ctl.coef, algo.kl.estimator)
+            self.kl_ctl.update(seq_kl, len(batch))
+        inputs = AdvantageInputs(scores_B=batch["scores"], mask_BT=mask, group_B=batch["group"],
+                                 token_rewards_BT=token_rewards, values_BT=batch.tensors.get("values"),
+                                 gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std)
+        adv, ret = ADVANTAGES.get(algo.advantage)(inputs)
+        return batch.with_tensors(advantages=adv.float(), returns=ret.float())
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        keys = ["prompts", "prompt_mask", "responses", "response_mask", "old_logprobs", "advantages"]
+        if self.cfg.algorithm.kl.placement == "loss":
+            keys.append("ref_logprobs")
+        if self.plan.use_critic:
+            with self._timed("update_critic"):
+                metrics.update(self._update_role("critic", batch.pick("prompts", "prompt_mask", "responses",
+                                                                      "response_mask", "values", "returns"),
+                                                 Worker.update_critic))
+        if self.step >= self.cfg.critic.warmup_steps or not self.plan.use_critic:
+            with self._timed("update_actor"):
+                metrics.update(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
+        return {f"train/{k}": v for k, v in metrics.items()}
+
+    def _update_role(self, role: str, batch: Batch, method) -> dict[str, float]:
+        plan = self.plan
+        mask = batch["response_mask"]
+        size = len(batch) // plan.num_mini_batches
+        batch.meta.update(
+            mini_num_tokens=[float(mask[i * size:(i + 1) * size].sum()) for i in range(plan.num_mini_batches)],
+            mini_num_seqs=[float(size)] * plan.num_mini_batches, norm_len=float(self.cfg.rollout.max_new_tokens),
+            kl_coef=self.kl_ctl.coef)
+        parts, _ = order_for_dp(batch, plan.num_mini_batches, plan.world[role])
+        return rank_reduce(self.group(role).call_parts(method, parts))
+
+    def sync(self) -> None:
+        """Publishes the new actor weights to the rollout engines (in place when colocated)."""
+        with self._timed("sync"):
+            self.weights_version += 1
+            if self.plan.roles["rollout"] == self.plan.roles["actor"]:
+                self.group("rollout").call_all(Worker.mark_weights_version, self.weights_version)
+            else:
+                from fleetrl.cluster.weight_sync import broadcast_weights
+
+                broadcast_weights(self.group("actor"), self.group("rollout"), self.weights_version,
+                                  self.cfg.cluster.init_timeout_s)
+
+    def checkpoint(self) -> None:
+        every = self.cfg.trainer.save_every
+        if every and self.step % every == 0:
+            with self._timed("checkpoint"):
+                from fleetrl.checkpoint.manager import save_checkpoint
+
+                save_checkpoint(self)
+
+    def validate(self) -> dict[str, float]:
+        with self._timed("validate"):
+            return validate(self)
+
+    # --------------------------------------------------------------------------------------- helpers
+    def build_groups(self) -> None:
+        if self.groups:
+            return
+        from fleetrl.cluster.build import build_groups
+
+        self.groups = build_groups(self.plan)
+
+    def group(self, role: str) -> WorkerGroup:
+        return self.groups[self.plan.roles[role]]
+
+    def total_steps(self) -> int:
+        if self.plan.total_steps:
+            return self.plan.total_steps
+        per_epoch = max(1, self.train_feed.num_prompts() // self.cfg.data.prompts_per_step)
+        return per_epoch * int(self.cfg.trainer.total_epochs)
+
+    def shutdown(self) -> None:
+        for g in self.groups.values():
+            g.shutdown()
+        self.groups = {}
+
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t

@@ -1,0 +1,139 @@
+"""Actor (policy being trained) and reference model, as plain in-process components of a worker."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss
+from fleetrl.batch import Batch
+from fleetrl.engines.training import DistInfo, TrainingEngine
+from fleetrl.models.hf import load_causal_lm
+from fleetrl.models.logprobs import sequence_logprobs
+from fleetrl.workers.context import WorkerContext
+
+
+def load_policy_model(ctx: WorkerContext) -> torch.nn.Module:
+    m = ctx.cfg.model
+    model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable()
+    return model.to(ctx.device())
+
+
+def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    n = len(batch)
+    return [batch.select(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temperature: float,
+                     chunk: int | None, entropy: bool) -> Batch:
+    """Log-probs (and entropy) of the response tokens under `model`, micro-batch by micro-batch."""
+    model.eval()
+    device = next(model.parameters()).device
+    logps, ents = [], []
+    for mb in micro_batches(batch, micro):
+        mb = mb.to(device)
+        lp, ent = sequence_logprobs(model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
+                                    temperature=temperature, return_entropy=entropy, chunk_size=chunk)
+        logps.append(lp.float().cpu())
+        if entropy:
+            ents.append(ent.float().cpu())
+    out = {"logprobs": torch.cat(logps)}
+    if entropy:
+        out["entropy"] = torch.cat(ents)
+    return Batch(out)
+
+
+def gen_temperature(ctx: WorkerContext) -> float:
+    # Logprobs are taken at the sampling temperature (as the rollout engine reports them); greedy rollouts
+    # (temperature 0) are scored at temperature 1.
+    t = ctx.cfg.rollout.temperature
+    return t if t > 0 else 1.0
+
+
+class ActorComponent:
+    def __init__(self, ctx: WorkerContext, model: torch.nn.Module, dist_info: DistInfo) -> None:
+        self.ctx = ctx
+        self.model = model
+        plan = ctx.plan
+        steps = None
+        if plan.total_steps:
+            steps = plan.total_steps * plan.num_mini_batches * ctx.cfg.algorithm.ppo_epochs
+        self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info, total_optimizer_steps=steps,
+                                     device=ctx.device(), sharded=True)
+
+    def compute_logprobs(self, batch: Batch) -> Batch:
+        out = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
+                               temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
+                               entropy=True)
+        return Batch({"old_logprobs": out["logprobs"], "entropy": out["entropy"]})
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """batch = this rank's share of every mini-batch, in mini-batch order (the controller arranged it)."""
+        plan, algo = self.ctx.plan, self.ctx.cfg.algorithm
+        n_mini = plan.num_mini_batches
+        minis = batch.chunk(n_mini)
+        sums: dict[str, float] = {}
+        for _ in range(algo.ppo_epochs):
+            for m, mini in enumerate(minis):
+                counts = {"num_tokens": batch.meta["mini_num_tokens"][m], "num_seqs": batch.meta["mini_num_seqs"][m],
+                          "norm_len": batch.meta["norm_len"]}
+                metrics = self.engine.step(iter(micro_batches(mini, plan.micro_batch_size)),
+                                           lambda mb: self._loss(mb, counts))
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        steps = n_mini * algo.ppo_epochs
+        out = {f"actor/{k}": v / steps for k, v in sums.items() if k not in ("skipped",)}
+        out["actor/skipped_updates"] = sums.get("skipped", 0.0)
+        return out
+
+    def _loss(self, mb: Batch, counts: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg = self.ctx.cfg
+        algo = cfg.algorithm
+        mb = mb.to(self.ctx.device())
+        need_entropy = algo.entropy_coef > 0
+        logp, ent = sequence_logprobs(self.model, mb["prompts"], mb["prompt_mask"], mb["responses"],
+                                      mb["response_mask"], temperature=gen_temperature(self.ctx),
+                                      return_entropy=need_entropy, chunk_size=cfg.actor.logprob_chunk)
+        mask = mb["response_mask"].float()
+        agg = dict(agg=algo.loss_agg, **counts)
+        loss, m = POLICY_LOSSES.get(algo.policy_loss)(
+            logp.float(), mb["old_logprobs"], mb["advantages"], mask, clip_low=algo.clip_low,
+            clip_high=algo.clip_high, dual_clip=algo.dual_clip, **agg)
+        # Metrics are returned as shares of the global mean: the micro-batch's token fraction weights them,
+        # so summing over micro-batches and ranks gives the mini-batch mean.
+        share = float(mask.sum()) / max(float(counts["num_tokens"]), 1.0)
+        metrics = {"pg_loss": float(loss.detach())}
+        metrics.update({k: float(v) * share for k, v in m.items()})
+        if algo.kl.placement == "loss":
+            kl, _ = kl_loss(logp.float(), mb["ref_logprobs"], mask, kind=algo.kl.estimator, **agg)
+            loss = loss + mb.meta["kl_coef"] * kl
+            metrics["kl_loss"] = float(kl.detach())
+        if need_entropy:
+            ent_term = entropy_loss(ent.float(), mask, **agg)
+            loss = loss - algo.entropy_coef * ent_term
+            metrics["entropy_bonus"] = float(ent_term.detach())
+        if not math.isfinite(float(loss.detach())):
+            metrics["nonfinite_loss"] = 1.0
+        return loss, metrics
+
+    def state_for_sync(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+class RefComponent:
+    """Frozen copy of the initial policy for KL."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.model = load_policy_model(ctx).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    def compute_ref_logprobs(self, batch: Batch) -> Batch:
+        out = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
+                               temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
+                               entropy=False)
+        return Batch({"ref_logprobs": out["logprobs"]})

@@ -1,0 +1,129 @@
+"""Worker: one process (one Ray actor, or the driver itself) hosting every role of its pool.
+
+Roles in one pool are colocated: the actor, its rollout engine and the reference share the process and
+device, and the rollout engine generates with the actor's own parameters (no copy). The class knows nothing
+about Ray; `cluster/group.py` places it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fleetrl.batch import Batch
+from fleetrl.engines.training import DistInfo
+from fleetrl.workers.context import WorkerContext
+
+
+class Worker:
+    def __init__(self, ctx: WorkerContext) -> None:
+        _drop_conflicting_env()
+        self.ctx = ctx
+        self.actor = self.critic = self.ref = self.rollout = None
+        self._dist_ready = False
+
+    # ------------------------------------------------------------------ setup
+    def node_info(self) -> dict:
+        return {"hostname": socket.gethostname(), "ip": _own_ip(), "pid": os.getpid(), "rank": self.ctx.rank,
+                "pool": self.ctx.pool, "roles": list(self.ctx.roles),
+                "node_id": os.environ.get("FLEETRL_NODE_ID", ""),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def master_address(self) -> tuple[str, int]:
+        """Rank 0 publishes its address and a free port for the pool's process group."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return _own_ip(), port
+
+    def init_dist(self, addr: str, port: int, timeout_s: float) -> None:
+        w = self.ctx.world_size
+        if w > 1:
+            backend = "nccl" if self.ctx.device().type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.ctx.rank,
+                                    world_size=w, timeout=timedelta(seconds=timeout_s))
+        self._dist_ready = True
+
+    def build(self) -> None:
+        """Loads models for every hosted role (after init_dist, so sharding can use the group)."""
+        from fleetrl.workers.actor import ActorComponent, RefComponent, load_policy_model
+
+        ctx = self.ctx
+        ctx.seed_everything()
+        info = DistInfo(rank=ctx.rank, world_size=ctx.world_size)
+        roles = set(ctx.roles)
+        model = None
+        if "actor" in roles or "rollout" in roles:
+            model = load_policy_model(ctx)
+        if "actor" in roles:
+            self.actor = ActorComponent(ctx, model, info)
+        if "rollout" in roles:
+            from fleetrl.workers.rollout import RolloutComponent
+
+            self.rollout = RolloutComponent(ctx, model)
+        if "ref" in roles:
+            self.ref = RefComponent(ctx)
+        if "critic" in roles:
+            from fleetrl.workers.critic import CriticComponent
+
+            self.critic = CriticComponent(ctx, info)
+
+    # ------------------------------------------------------------------ verbs
+    def generate(self, batch: Batch) -> Batch:
+        return self._need("rollout").generate(batch)
+
+    def compute_logprobs(self, batch: Batch) -> Batch:
+        return self._need("actor").compute_logprobs(batch)
+
+    def compute_ref_logprobs(self, batch: Batch) -> Batch:
+        return self._need("ref").compute_ref_logprobs(batch)
+
+    def compute_values(self, batch: Batch) -> Batch:
+        return self._need("critic").compute_values(batch)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        return self._need("actor").update(batch)
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self._need("critic").update(batch)
+
+    def actor_weights(self) -> dict[str, torch.Tensor]:
+        return self._need("actor").state_for_sync()
+
+    def load_rollout_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self._need("rollout").load_weights(state, version)
+
+    def mark_weights_version(self, version: int) -> None:
+        """Colocated rollout: the engine already reads the actor's parameters; only the version moves."""
+        self._need("rollout").engine.weights_version = version
+
+    def model_state(self, role: str) -> dict[str, torch.Tensor]:
+        comp = self._need(role)
+        return {k: v.detach().cpu().clone() for k, v in comp.model.state_dict().items()}
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _need(self, role: str):
+        comp = getattr(self, role)
+        if comp is None:
+            raise RuntimeError(f"worker rank {self.ctx.rank} of pool '{self.ctx.pool}' hosts roles "
+                               f"{list(self.ctx.roles)}, not '{role}'")
+        return comp
+
+
+def _own_ip() -> str:
+    # The Ray wrapper in cluster/group.py sets this to the node IP Ray was started with; in-process: loopback.
+    return os.environ.get("FLEETRL_NODE_IP", "127.0.0.1")
+
+
+def _drop_conflicting_env() -> None:
+    """Removes inherited AMD visibility variables the driver flagged (cluster/envcheck.py) on NVIDIA torch."""
+    names = [n for n in os.environ.get("FLEETRL_UNSET_ENV", "").split(",") if n]
+    if names and torch.version.hip is None:
+        for n in names:
+            os.environ.pop(n, None)
