@@ -135,3 +135,19 @@ def _kill_session(pid: int, grace_s: float = 5.0) -> None:
             except ProcessLookupError:
                 return
             time.sleep(0.1)
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """PIDs in process group `pgid` that are still running (zombies awaiting their parent's reap excluded)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry))
+    return alive

@@ -95,14 +95,14 @@ def cluster_up(opts: UpOptions, *, env: Mapping[str, str] = os.environ, console:
     if decision.is_head and opts.dashboard_host not in ("127.0.0.1", "localhost"):
         console.print(f"[yellow]warning:[/] the dashboard and job API listen on {opts.dashboard_host}; anyone "
                       f"who reaches port {opts.dashboard_port} can submit jobs if they hold the token, and "
-                      f"traffic is unencrypted. Prefer the default 127.0.0.1 and an SSH tunnel.")
+                      f"traffic is unencrypted. Prefer the default 127.0.0.1 and an SSH tunnel.", soft_wrap=True)
     state = _launch(decision, opts, node_ip, token, extra_env, state_file, env, console)
     if decision.is_head:
-        console.print(f"head up at {state.address} (token {state.token_masked} from {token.origin})")
+        console.print(f"head up at {state.address} (token {state.token_masked} from {token.origin})", soft_wrap=True)
         wait_for_nodes(state.address, opts.expect_nodes, token, timeout_s=opts.wait_timeout_s, console=console)
-        console.print(f"to add a node, run on it:\n  {join_command(state)}")
+        console.print(f"to add a node, run on it:\n  {join_command(state)}", soft_wrap=True, highlight=False)
     else:
-        console.print(f"joined {state.address} as worker {node_ip} (role from {decision.source})")
+        console.print(f"joined {state.address} as worker {node_ip} (role from {decision.source})", soft_wrap=True)
     return state
 
 
@@ -170,22 +170,32 @@ def wait_for_nodes(address: str, expected: int, token: auth.ClusterToken | None,
 
 @contextlib.contextmanager
 def connected(address: str, token: auth.ClusterToken | None) -> Iterator:
-    """A Ray driver attached to `address` (never starts a cluster), with the token if there is one."""
+    """A Ray driver attached to `address` (never starts a cluster), with the token if there is one.
+    The auth variables it sets are restored afterwards, so a library caller's environment is unchanged."""
+    saved = {k: os.environ.get(k) for k in (auth.MODE_ENV, auth.TOKEN_ENV, auth.TOKEN_PATH_ENV)}
     if token is not None:
         auth.apply_token_env(os.environ, token)
     import ray  # deferred: importing ray costs ~1 s, and most commands never connect
+    from ray._raylet import AuthenticationTokenLoader, Config
 
-    if token is not None:
+    def _refresh() -> None:
         # Token mode is read from the environment when Ray's config is built; rebuild it in case ray was
-        # imported before the variables were set (same refresh Ray itself does when it enables auth).
-        from ray._raylet import AuthenticationTokenLoader, Config
+        # imported before the variables changed (the same refresh Ray does when it enables auth itself).
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
-    ray.init(address=address, log_to_driver=False, logging_level="WARNING", configure_logging=False)
+
+    _refresh()
     try:
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING", configure_logging=False)
         yield ray
     finally:
         ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _refresh()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,6 +215,9 @@ def cluster_status(state_file: Path | None = None, *, env: Mapping[str, str] = o
     if not (running and list_nodes):
         return ClusterStatus(state=state, running=running)
     token = auth.find_token_or_none(env, Path(state.token_file) if state.token_file else None)
+    host, port = state.address.rsplit(":", 1)
+    if not _port_open(host, int(port)):  # ray.init would retry for a minute before saying so
+        return ClusterStatus(state=state, running=running, error=f"the head {state.address} is not reachable")
     try:
         with connected(state.address, token) as ray:
             nodes = ray.nodes()
@@ -221,23 +234,36 @@ def cluster_down(state_file: Path | None = None, *, grace_s: float = 15.0) -> Cl
     if state is None:
         return None
     if _is_ours(state):
-        _kill_group(state.pid, grace_s)
+        _stop_tree(state.pid, grace_s)
     state_file.unlink(missing_ok=True)
     return state
 
 
-def block_until_exit(state: ClusterState) -> int:
-    """Keeps this process in the foreground while Ray runs (for srun/dstack, which end a step when its
-    process exits); SIGTERM/SIGINT stop Ray through cluster_down's path."""
+def block_until_exit(state_file: Path | None = None, *, poll_s: float = 5.0, head_gone_polls: int = 3) -> int:
+    """Keeps this process in the foreground while Ray runs (srun and dstack end a step when its process
+    exits). A worker returns 0 once the head has stopped answering for `head_gone_polls` polls (the run
+    ended and the head went down), stopping its own Ray first; 1 when Ray died by itself. SIGTERM/SIGINT
+    stop Ray and return 0."""
     def _stop(signum, frame):  # noqa: ARG001
         raise KeyboardInterrupt
+    state_file = state_file or default_state_file()
+    state = read_state(state_file)
+    if state is None:
+        raise RuntimeError(f"no Ray started by `fleetrl cluster up` is recorded in {state_file}")
     signal.signal(signal.SIGTERM, _stop)
+    host, port = state.address.rsplit(":", 1)
+    misses = 0
     try:
         while _is_ours(state):
-            time.sleep(1.0)
-        return 1  # Ray exited by itself: a failure for the launcher to see
+            time.sleep(poll_s)
+            if state.role == "worker":
+                misses = 0 if _port_open(host, int(port)) else misses + 1
+                if misses >= head_gone_polls:
+                    raise KeyboardInterrupt
+        cluster_down(state_file)
+        return 1
     except KeyboardInterrupt:
-        _kill_group(state.pid, grace_s=15.0)
+        cluster_down(state_file)
         return 0
 
 
@@ -291,7 +317,7 @@ def _wait_started(proc: subprocess.Popen, log_path: Path, timeout_s: float, stat
     while STARTED_MARKER not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
             if proc.poll() is None:
-                _kill_group(proc.pid, grace_s=5.0)
+                _stop_tree(proc.pid, grace_s=5.0)
             state_file.unlink(missing_ok=True)
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
             why = f"exited with code {proc.returncode}" if proc.returncode is not None else \
@@ -306,6 +332,14 @@ def _refuse_if_running(state_file: Path) -> None:
         raise RuntimeError(f"Ray started by `fleetrl cluster up` is already running here (pid {state.pid}, "
                            f"{state.role} of {state.address}); stop it with `fleetrl cluster down"
                            f"{' --state-file ' + str(state_file) if state_file != default_state_file() else ''}`")
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=3.0):
+            return True
+    except OSError:
+        return False
 
 
 def _progress(console: Console | None) -> Progress:
@@ -328,19 +362,51 @@ def _is_ours(state: ClusterState) -> bool:
     return ticks is not None and (state.start_ticks == 0 or ticks == state.start_ticks)
 
 
-def _kill_group(pgid: int, grace_s: float) -> None:
-    """SIGTERM to the process group `cluster up` created, then SIGKILL whatever is left after grace_s."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+def _stop_tree(leader: int, grace_s: float) -> None:
+    """Stops `ray start --block` (the leader) and everything it spawned.
+
+    SIGTERM goes to the leader alone: it drains the node and stops its children in order, in ~2 s, whereas
+    SIGTERM to every process at once leaves raylet and GCS waiting on each other for ~10 s. Whatever is left
+    after grace_s gets SIGKILL: the leader's process group and its descendants, listed before signalling
+    because Ray's workers lead their own process groups and are re-parented once the raylet exits.
+    """
+    members = _tree(leader)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(leader, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_start_ticks(p) == t for p, t in members.items()):
+        with contextlib.suppress(ChildProcessError):  # reap the leader when this process is its parent
+            os.waitpid(leader, os.WNOHANG)
+        time.sleep(0.2)
+    for pid, ticks in members.items():
+        if _start_ticks(pid) == ticks:  # same process still alive, not a recycled PID
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(leader, os.WNOHANG)
+
+
+def _tree(leader: int) -> dict[int, int]:
+    """PID -> start ticks of the leader, its process group and all its descendants (one /proc scan)."""
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    found = {leader}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():  # self, thread-self, sys, ...
+            continue
         try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):  # reap it when this process is its parent
-                os.waitpid(pgid, os.WNOHANG)
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # not a process, or it just exited
+            continue
+        pid = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = int(fields[19])
+        if int(fields[2]) == leader:
+            found.add(pid)
+    frontier = list(found)
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            if child not in found:
+                found.add(child)
+                frontier.append(child)
+    return {p: ticks[p] for p in found if p in ticks}

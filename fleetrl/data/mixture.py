@@ -85,7 +85,11 @@ def task_sources(spec: DataSpec) -> dict[str, str]:
     if isinstance(spec, dict):
         if not spec:
             raise DataError("the data spec is an empty mapping; give at least one {task_name: path}")
-        return {str(k): str(v) for k, v in spec.items()}
+        bad = {k: v for k, v in spec.items() if not isinstance(v, str)}
+        if bad:
+            raise DataError(f"data spec tasks {sorted(bad)} are not a single path; give each task one file "
+                            "(or one synthetic:NAME spec), e.g. {gsm8k: data/gsm8k.parquet}")
+        return {str(k): v for k, v in spec.items()}
     paths = [spec] if isinstance(spec, str) else list(spec)
     tasks: dict[str, str] = {}
     for path in paths:

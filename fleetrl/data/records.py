@@ -33,4 +33,7 @@ class PromptRecord:
     @property
     def raw_prompt(self) -> list[dict[str, str]] | str:
         """The prompt as the user wrote it: a list of chat messages or the raw text."""
-        return [dict(m) for m in self.messages] if self.messages is not None else self.text  # type: ignore[return-value]
+        if self.messages is not None:
+            return [dict(m) for m in self.messages]
+        assert self.text is not None
+        return self.text

@@ -23,7 +23,7 @@ from fleetrl.models.logprobs import sequence_logprobs
 class HFRolloutEngine:
     """RolloutEngine over `model.generate`.
 
-    `model` is used as given (not copied) and moved to `device` in place. `seed` starts the engine's running
+    `model` is used as given (not copied) and moved to `device` in place; outputs come back on CPU. `seed` starts the engine's running
     generator, which seeds calls whose SamplingParams.seed is None; the caller's global RNG is never touched.
     `logprob_chunk_size` bounds the logprob pass's B x chunk x V fp32 logits (None: all at once).
     `offload_on_sleep` moves the weights to CPU in `sleep`; leave it off when the trainer shares this model on
@@ -136,8 +136,8 @@ class HFRolloutEngine:
         # log softmax(logits / T). Recomputing with the same code the trainer runs also makes the two agree to
         # float rounding. Greedy (T = 0) reports logprobs at T = 1.
         temperature = params.temperature if params.temperature > 0 else 1.0
-        logp, _ = sequence_logprobs(self.model, prompts, prompt_mask, responses.to(self.device), mask.to(self.device),
-                                    temperature=temperature, chunk_size=self.logprob_chunk_size)
+        logp, _ = sequence_logprobs(self.model, prompts, prompt_mask, responses, mask, temperature=temperature,
+                                    chunk_size=self.logprob_chunk_size)
         return logp.float()
 
 
@@ -167,7 +167,7 @@ def _finish(responses: torch.Tensor, stop_ids: list[int], stop_strings: Sequence
     """Cuts each row after its first stop token or stop-string match: (responses, mask, finish_reasons), with
     pad ids after the end and R trimmed to the longest response."""
     B, R = responses.shape
-    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, dtype=responses.dtype, device=responses.device))
     end = torch.where(is_stop.any(1), is_stop.int().argmax(1), torch.full((B,), R, device=responses.device))
     if stop_strings:
         for row in range(B):

@@ -24,8 +24,12 @@ class RolloutComponent:
         self.ctx = ctx
         m = ctx.cfg.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
+        self.model = model
         self.engine = make_engine(ctx.cfg.rollout.engine, model, self.tokenizer, ctx.device(),
                                   ctx.cfg.trainer.seed + ctx.rank)
+
+    def engine_model(self) -> torch.nn.Module:
+        return self.model
 
     def generate(self, batch: Batch) -> Batch:
         """batch: prompts/prompt_mask (already repeated n times) + meta: temperature, seed, max_new_tokens."""
@@ -45,7 +49,3 @@ class RolloutComponent:
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.engine.load_weights(state, version)
-
-    def decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
-        return [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
-                for r, m in zip(responses, mask)]

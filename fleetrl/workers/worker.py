@@ -100,6 +100,31 @@ class Worker:
         """Colocated rollout: the engine already reads the actor's parameters; only the version moves."""
         self._need("rollout").engine.weights_version = version
 
+    # ------------------------------------------------------ weight bus (separate rollout pool)
+    def bus_join(self, host: str, port: int, bus_rank: int, size: int, timeout_s: float) -> None:
+        from fleetrl.workers.weight_bus import WeightBus
+
+        if bus_rank >= 0:
+            self.bus = WeightBus(host, port, bus_rank, size, timeout_s=timeout_s, device=self.ctx.device())
+
+    def bus_send(self, bucket_bytes: int) -> int:
+        """Every actor rank gathers (sharded params need all ranks); only bus rank 0 (actor rank 0) sends."""
+        from fleetrl.workers.weight_bus import full_state, send
+
+        named = full_state(self._need("actor").model)
+        return send(self.bus, named, bucket_bytes) if getattr(self, "bus", None) is not None else 0
+
+    def bus_receive(self, bucket_bytes: int, version: int) -> int:
+        from fleetrl.workers.weight_bus import full_state, receive
+
+        rollout = self._need("rollout")
+        received = receive(self.bus, full_state(rollout.engine_model()), bucket_bytes)
+        rollout.load_weights(received, version)
+        return version
+
+    def weights_version(self) -> int:
+        return self._need("rollout").engine.weights_version
+
     def model_state(self, role: str) -> dict[str, torch.Tensor]:
         comp = self._need(role)
         return {k: v.detach().cpu().clone() for k, v in comp.model.state_dict().items()}

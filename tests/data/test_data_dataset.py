@@ -63,7 +63,8 @@ def test_everything_filtered_says_to_raise_the_limit(tokenizer):
 
 def test_template_failure_names_the_row(tokenizer_factory):
     tok = tokenizer_factory("{% for m in messages %}{% if m['role'] == 'system' %}"
-                            "{{ raise_exception('system role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+                            "{{ raise_exception('system role not supported') }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
     record = PromptRecord(messages=({"role": "system", "content": "x"},), text=None, data_source="s", ability=None,
                           ground_truth=1, extra_info={}, source_file="t.jsonl", row=5)
     with pytest.raises(DataError, match=r"t\.jsonl: row 5 \(0-based\), field 'prompt'.*system role not supported"):

@@ -65,8 +65,9 @@ def test_openrlhf_text_prompt_with_label_key():
 
 
 def test_openrlhf_chat_list_and_answer_column():
-    rec = normalise_row({"data_source": "x", "input": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
-                         "answer": "7"}, file="f.jsonl", row=0, input_key="input")
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    rec = normalise_row({"data_source": "x", "input": messages, "answer": "7"}, file="f.jsonl", row=0,
+                        input_key="input")
     assert [m["role"] for m in rec.messages] == ["system", "user"] and rec.ground_truth == "7"
 
 
@@ -96,7 +97,8 @@ def test_malformed_rows_name_file_row_and_field(raw, field):
 
 
 def test_missing_prompt_column_lists_columns_and_setting():
-    with pytest.raises(DataError, match=r"row 0 \(0-based\), field 'question': column is missing .*'prompt'.*data.input_key"):
+    expected = r"row 0 \(0-based\), field 'question': column is missing .*'prompt'.*data.input_key"
+    with pytest.raises(DataError, match=expected):
         normalise_row({"prompt": "hi", "answer": "1", "data_source": "s"}, file="f.jsonl", row=0, input_key="question")
 
 

@@ -129,3 +129,11 @@ def _write_llama_gguf(model, tokenizer, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_gguf_without_package_names_the_install(tmp_path, monkeypatch):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # makes `import gguf` raise ImportError
+    with pytest.raises(ValueError, match="pip install gguf"):
+        load_causal_lm(f"gguf:{path}")

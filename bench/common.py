@@ -1,0 +1,143 @@
+"""Shared helpers for the GPU micro-benchmarks: model shapes, measured device ceilings, timing, JSON and tables.
+
+Run from the repository root with PYTHONPATH=. (fleetrl need not be installed).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+# Published Qwen2.5 dimensions (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B); random init here.
+QWEN2_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    # CPU smoke-test shape (not a real model)
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=256, vocab_size=1000, tie_word_embeddings=True),
+}
+
+# Dense (no sparsity) bf16 tensor-core peak, TFLOP/s. NVIDIA H100 Tensor Core GPU datasheet (SXM5: "BF16 Tensor
+# Core 1,979 TFLOPS", footnote: with sparsity) and NVIDIA H200 datasheet (same 1,979 with sparsity): half is dense.
+PEAK_BF16_DENSE_TFLOPS = {"H100": 989.4, "H200": 989.4}
+
+
+def build_qwen2(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**QWEN2_SHAPES[shape], rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                      max_position_embeddings=32768, use_cache=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    model.generation_config.eos_token_id = None  # fixed-length decoding: no EOS anywhere
+    return model.to(dtype).eval()
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters that take part in matmuls per token: all unique ones, minus an untied input embedding
+    (a gather). A tied embedding counts once, as the output projection."""
+    n = sum(p.numel() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        n -= model.get_input_embeddings().weight.numel()
+    return n
+
+
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def peak_bf16_tflops(name: str) -> float | None:
+    for key, value in PEAK_BF16_DENSE_TFLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def device_info(device: str) -> dict[str, Any]:
+    import transformers
+
+    info = {"date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": device}
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        info.update(device_name=props.name, sms=props.multi_processor_count,
+                    memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return info
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def wall_time(fn: Callable[[], Any], device: str, repeats: int = 1) -> float:
+    """Median wall seconds of fn() with the device synchronised before and after (for whole calls)."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def event_time(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+    """Median seconds per fn() timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / event_time(lambda: dst.copy_(src), iters=10)
+
+
+def matmul_tflops(device: str, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n**3 / event_time(lambda: a @ b, iters=10, warmup=3) / 1e12
+
+
+def out_dir(path: str | None) -> Path:
+    out = Path(path or os.environ.get("OUT") or "bench_out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, default=str))
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    def fmt(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        print("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |")

@@ -1,0 +1,184 @@
+"""Decode throughput: HF `generate` vs FastRolloutEngine, and the fraction of the memory roofline reached.
+
+  PYTHONPATH=. python bench/decode.py --engines fast,hf --out $OUT        # full grid (GPU)
+  PYTHONPATH=. python bench/decode.py --check-only --out $OUT              # GPU correctness checks only
+
+Workload: random-init Qwen2.5 shapes in bf16, B random 128-token prompts, exactly N new tokens (no EOS), plain
+temperature-1 sampling (the RL setting). Throughput = B * N / wall time of the whole call (prefill included).
+
+Roofline (decode steps only): step t (t = 1..N-1) must read every matmul weight once plus the KV cache of all B
+sequences at length P + t, so bytes = (N - 1) * W + B * kv_bytes_per_token * sum_t (P + t). Roofline time =
+bytes / measured copy bandwidth (read + write); fraction = roofline time / measured decode time, where decode
+time = t(N new tokens) - t(1 new token). `compute_floor_s` is the matmul FLOPs over the measured bf16 matmul
+rate: at batch 256 it is close to the memory floor, so 100% of the memory roofline is not reachable there.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (build_qwen2, copy_bandwidth, device_info, kv_bytes_per_token, matmul_params,  # noqa: E402
+                          matmul_tflops, out_dir, print_table, wall_time, write_json)
+from fleetrl.engines.fast import FastRolloutEngine  # noqa: E402
+from fleetrl.engines.protocol import SamplingParams  # noqa: E402
+
+
+def roofline(model: torch.nn.Module, dtype: torch.dtype, batch: int, prompt: int, new: int) -> tuple[float, float]:
+    """(bytes, matmul FLOPs) of the N-1 decode steps of one call."""
+    weights = matmul_params(model) * torch.finfo(dtype).bits // 8
+    positions = sum(prompt + t for t in range(1, new))
+    nbytes = (new - 1) * weights + batch * kv_bytes_per_token(model, dtype) * positions
+    cfg = model.config
+    attn = 4 * cfg.num_hidden_layers * cfg.hidden_size * batch * positions  # q.k and p.v
+    return float(nbytes), float(2 * matmul_params(model) * batch * (new - 1) + attn)
+
+
+def prompts_for(batch: int, prompt: int, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(batch * 7 + prompt)
+    ids = torch.randint(0, vocab, (batch, prompt), generator=g).to(device)
+    return ids, torch.ones_like(ids)
+
+
+def run_fast(model, args, batch: int, new: int, eng: FastRolloutEngine) -> tuple[float, float]:
+    ids, mask = prompts_for(batch, args.prompt_len, model.config.vocab_size, args.device)
+    eng.generate(ids, mask, SamplingParams(max_new_tokens=min(new, 32), temperature=1.0, seed=0))  # graphs, JIT
+    total = wall_time(lambda: eng.generate(ids, mask, SamplingParams(max_new_tokens=new, seed=1)), args.device)
+    first = wall_time(lambda: eng.generate(ids, mask, SamplingParams(max_new_tokens=1, seed=1)), args.device, 3)
+    return total, first
+
+
+def run_hf(model, args, batch: int, new: int) -> tuple[float, float]:
+    ids, mask = prompts_for(batch, args.prompt_len, model.config.vocab_size, args.device)
+    kw = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+    total = wall_time(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw), args.device)
+    first = wall_time(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), args.device, 3)
+    return total, first
+
+
+def bench(args, ceilings: dict) -> list[dict]:
+    rows = []
+    dtype = getattr(torch, args.dtype)
+    for shape in args.shapes.split(","):
+        model = build_qwen2(shape, dtype, args.device)
+        for engine in args.engines.split(","):
+            eng = None
+            if engine == "fast":
+                eng = FastRolloutEngine(model, None, device=args.device, max_batch=max(args.batches),
+                                        max_seq_len=args.prompt_len + max(args.new_tokens), kernels=args.kernels)
+            for batch in args.batches:
+                for new in args.new_tokens:
+                    total, first = run_fast(model, args, batch, new, eng) if eng else run_hf(model, args, batch, new)
+                    nbytes, flops = roofline(model, dtype, batch, args.prompt_len, new)
+                    decode_s = max(total - first, 1e-9)
+                    row = dict(shape=shape, engine=engine, batch=batch, new_tokens=new, seconds=total,
+                               tokens_per_s=batch * new / total, decode_s=decode_s,
+                               step_ms=1e3 * decode_s / (new - 1), roofline_s=nbytes / ceilings["copy_Bps"],
+                               compute_floor_s=flops / (ceilings["matmul_tflops"] * 1e12),
+                               achieved_GBps=nbytes / decode_s / 1e9)
+                    row["roofline_frac"] = row["roofline_s"] / decode_s
+                    rows.append(row)
+                    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            del eng
+            gc.collect()
+            torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+        del model
+        gc.collect()
+    return rows
+
+
+def checks(args) -> dict:
+    """Correctness on this device: exact vs HF in fp32 (both kernel sets), bf16 logprob gaps at a real shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out: dict = {}
+    kernel_sets = ("triton", "torch") if args.device.startswith("cuda") else ("torch",)
+    small = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(3, 40, (12,), generator=g)
+    width = int(lens.max())
+    ids = torch.randint(1, 1000, (12, width), generator=g)
+    mask = (torch.arange(width)[None] >= width - lens[:, None]).long()
+    ids, mask = (ids * mask).to(args.device), mask.to(args.device)
+    for arch, cls, cfg_cls in (("llama", LlamaForCausalLM, LlamaConfig), ("qwen2", Qwen2ForCausalLM, Qwen2Config)):
+        torch.manual_seed(0)
+        with torch.device(args.device):
+            model = cls(cfg_cls(**small)).eval()
+        model.generation_config.eos_token_id = None
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=48, pad_token_id=0)[:, width:]
+        for kernels in kernel_sets:
+            for max_batch in (16, 4):
+                eng = FastRolloutEngine(model, None, device=args.device, max_batch=max_batch, max_seq_len=128,
+                                        kernels=kernels, sync_every=5)
+                got = eng.generate(ids, mask, SamplingParams(max_new_tokens=48, temperature=0.0))
+                smp = eng.generate(ids, mask, SamplingParams(max_new_tokens=48, temperature=0.8, seed=2))
+                lp_gap = _logprob_gap(model, ids, mask, smp, 0.8)
+                out[f"fp32/{arch}/{kernels}/max_batch={max_batch}"] = dict(
+                    greedy_rows_equal_hf=int((got.responses == ref).all(1).sum()), rows=len(ref),
+                    sampled_logprob_max_abs_gap=lp_gap, graphs=len(eng._graphs or []))
+                print(out, flush=True)
+    dtype = torch.bfloat16
+    model = build_qwen2(args.check_shape, dtype, args.device)
+    ids, mask = prompts_for(32, 64, model.config.vocab_size, args.device)
+    for kernels in kernel_sets:
+        eng = FastRolloutEngine(model, None, device=args.device, max_batch=32, max_seq_len=256, kernels=kernels)
+        smp = eng.generate(ids, mask, SamplingParams(max_new_tokens=64, temperature=1.0, seed=3))
+        out[f"bf16/{args.check_shape}/{kernels}"] = dict(sampled_logprob_max_abs_gap=_logprob_gap(model, ids, mask,
+                                                                                                    smp, 1.0),
+                                                         sampled_logprob_mean_abs_gap=_logprob_gap(model, ids, mask,
+                                                                                                   smp, 1.0, "mean"))
+        print(out, flush=True)
+    return out
+
+
+def _logprob_gap(model, ids, mask, out, temperature: float, reduce: str = "max") -> float:
+    full = torch.cat([ids, out.responses.to(ids.device)], 1)
+    rmask = out.response_mask.to(ids.device)
+    with torch.no_grad():
+        logits = model(full, attention_mask=torch.cat([mask, rmask], 1)).logits.float()
+    ref = torch.log_softmax(logits[:, ids.shape[1] - 1:-1] / temperature, -1)
+    ref = ref.gather(2, full[:, ids.shape[1]:, None])[..., 0]
+    gap = (ref - out.logprobs.to(ids.device)).abs()[rmask.bool()]
+    return float(gap.max() if reduce == "max" else gap.mean())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
+    p.add_argument("--engines", default="fast,hf")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256])
+    p.add_argument("--new-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kernels", default="auto")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--check", action="store_true", help="run the correctness checks first")
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--check-shape", default="qwen2.5-0.5b")
+    p.add_argument("--out", default=None, help="folder for decode.json (default $OUT)")
+    args = p.parse_args()
+    out = out_dir(args.out)
+    result: dict = {"info": device_info(args.device)}
+    if args.check or args.check_only:
+        result["checks"] = checks(args)
+        write_json(out / f"decode_checks_{args.kernels}.json", result)
+        if args.check_only:
+            return
+    on_gpu = args.device.startswith("cuda")
+    result["ceilings"] = ceilings = {"copy_Bps": copy_bandwidth(args.device) if on_gpu else 50e9,
+                                     "matmul_tflops": matmul_tflops(args.device) if on_gpu else 1.0}
+    print("ceilings", ceilings, flush=True)
+    result["rows"] = rows = bench(args, ceilings)
+    write_json(out / f"decode_{args.engines.replace(',', '_')}.json", result)
+    print_table(rows, ["shape", "engine", "batch", "new_tokens", "tokens_per_s", "step_ms", "roofline_frac",
+                       "achieved_GBps", "compute_floor_s", "roofline_s", "decode_s"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Training-update throughput and MFU: forward + backward + fused AdamW step of random-init Qwen2.5 shapes.
+
+  PYTHONPATH=. python bench/train_update.py --out $OUT
+
+Precision: fp32 parameters (the master weights, updated by AdamW in fp32) with bf16 autocast for the forward and
+backward matmuls; HF's own causal-LM loss (logits upcast to fp32); SDPA attention with no padding mask, so the
+flash kernel runs; no activation checkpointing.
+
+FLOPs per step: (6 N + 12 L H Q T) * tokens, with N the matmul parameters (tied vocab matrix once), L layers,
+H heads, Q head dim, T sequence length; the attention term is PaLM's (Chowdhery et al. 2022, appendix B), which
+counts the full (non-causal) score matrix. MFU = FLOPs / step time / dense bf16 peak (989.4 TFLOP/s for H100
+SXM and H200, see bench/common.py); `of_matmul` is the same over the bf16 matmul rate measured here.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (build_qwen2, device_info, event_time, matmul_params, matmul_tflops, out_dir,  # noqa: E402
+                          peak_bf16_tflops, print_table, write_json)
+
+
+def step_flops(model: torch.nn.Module, batch: int, seq: int) -> float:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = 6 * matmul_params(model) + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq
+    return float(per_token * batch * seq)
+
+
+def run(shape: str, batch: int, seq: int, args) -> dict:
+    model = build_qwen2(shape, torch.float32, args.device).train()
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device.startswith("cuda"))
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=args.device)
+
+    def update() -> None:
+        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        seconds = event_time(update, iters=args.steps, warmup=args.warmup)
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        import time
+        update()
+        t0 = time.perf_counter()
+        update()
+        seconds, peak_mem = time.perf_counter() - t0, 0.0
+    flops = step_flops(model, batch, seq)
+    del model, opt
+    gc.collect()
+    return dict(shape=shape, micro_batch=batch, seq=seq, tokens=batch * seq, step_s=seconds,
+                tokens_per_s=batch * seq / seconds, tflops=flops / seconds / 1e12, peak_mem_gib=peak_mem)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
+    p.add_argument("--configs", default="4x2048,8x2048", help="micro-batch x sequence length, comma separated")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    info = device_info(args.device)
+    on_gpu = args.device.startswith("cuda")
+    peak = peak_bf16_tflops(info.get("device_name", "")) or float("nan")
+    measured = matmul_tflops(args.device) if on_gpu else float("nan")
+    rows = []
+    for shape in args.shapes.split(","):
+        for cfg in args.configs.split(","):
+            batch, seq = (int(x) for x in cfg.split("x"))
+            try:
+                row = run(shape, batch, seq, args)
+            except torch.OutOfMemoryError as err:
+                row = dict(shape=shape, micro_batch=batch, seq=seq, error=f"OOM: {str(err)[:120]}")
+            if on_gpu:
+                torch.cuda.empty_cache()
+            if "tflops" in row:
+                row.update(mfu=row["tflops"] / peak, of_matmul=row["tflops"] / measured)
+            rows.append(row)
+            print(row, flush=True)
+    result = dict(info=info, peak_bf16_dense_tflops=peak, measured_matmul_tflops=measured,
+                  precision="fp32 master params + bf16 autocast, fused AdamW", rows=rows)
+    write_json(out_dir(args.out) / "train_update.json", result)
+    print(f"peak {peak} TFLOP/s (datasheet, dense bf16); measured 8192^3 bf16 matmul {measured:.0f} TFLOP/s")
+    print_table(rows, ["shape", "micro_batch", "seq", "tokens_per_s", "step_s", "tflops", "mfu", "of_matmul",
+                       "peak_mem_gib"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,445 @@
+"""`fleetrl doctor`: checks a running cluster against what a run needs, one row per check with its fix.
+
+Facts are gathered once (one probe task pinned to each node, one all-reduce across one actor per node);
+each check is then a small function from those facts to a CheckResult, so checks are tested without a
+cluster. Probes ask for no CPU so they run even on a cluster busy with a training run.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from rich.console import Console
+from rich.table import Table
+
+VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives this resource to the head node only
+GB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeInfo:
+    """One alive node as Ray reports it."""
+
+    node_id: str
+    ip: str
+    resources: dict[str, float]
+    ports: tuple[int, ...] = ()
+    """Ports other nodes must reach on it (node manager, object manager; GCS on the head)."""
+
+    @property
+    def is_head(self) -> bool:
+        return HEAD_RESOURCE in self.resources
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeProbe:
+    """What the probe task saw on one node."""
+
+    node_id: str
+    ip: str
+    versions: dict[str, str]
+    gpus_present: int
+    visibility_env: dict[str, str]
+    """GPU-visibility variables in the environment `ray start` ran with (the raylet's)."""
+    disk_free_bytes: int | None
+    unreachable: list[str] = field(default_factory=list)
+    marker_error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoctorOptions:
+    address: str
+    checkpoint_path: Path
+    config_path: Path | None = None
+    min_free_gb: float = 20.0
+    timeout_s: float = 60.0
+    allreduce_mb: float = 16.0
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def check_versions(probes: list[NodeProbe]) -> CheckResult:
+    by_node = {p.ip: p.versions for p in probes}
+    differing = sorted({k for v in by_node.values() for k, x in v.items()
+                        if len({other.get(k) for other in by_node.values()}) > 1})
+    first = next(iter(by_node.values()), {})
+    if not differing:
+        return CheckResult("versions", True, ", ".join(f"{k} {v}" for k, v in first.items()))
+    detail = "; ".join(f"{k}: " + ", ".join(f"{ip}={v.get(k)}" for ip, v in by_node.items()) for k in differing)
+    return CheckResult("versions", False, detail,
+                       f"install the same {', '.join(differing)} on every node (one image or one lock file)")
+
+
+def check_gpus(probes: list[NodeProbe], nodes: list[NodeInfo]) -> CheckResult:
+    ray_gpus = {n.node_id: int(n.resources.get("GPU", 0)) for n in nodes}
+    wrong = [f"{p.ip}: {p.gpus_present} present, Ray reports {ray_gpus.get(p.node_id, 0)}"
+             for p in probes if p.gpus_present != ray_gpus.get(p.node_id, 0)]
+    if wrong:
+        return CheckResult("gpus", False, "; ".join(wrong),
+                           "unset CUDA_VISIBLE_DEVICES where `fleetrl cluster up` runs (Ray then sees every GPU) "
+                           "or pass --num-gpus N to it")
+    total = sum(ray_gpus.values())
+    return CheckResult("gpus", True, f"{total} GPUs on {len(probes)} nodes" if total else "CPU only")
+
+
+def check_visibility_env(probes: list[NodeProbe]) -> CheckResult:
+    conflicts = []
+    for p in probes:
+        values = {k: v for k, v in p.visibility_env.items() if k in VISIBILITY_VARS}
+        if len(set(values.values())) > 1:
+            conflicts.append(f"{p.ip}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    if conflicts:
+        return CheckResult("gpu visibility env", False, "; ".join(conflicts),
+                           "set only one of CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES "
+                           "(ROCm honours all three and they compose) before `fleetrl cluster up`")
+    return CheckResult("gpu visibility env", True, "no conflicting *_VISIBLE_DEVICES")
+
+
+def check_placement(plan: Any, nodes: list[NodeInfo]) -> CheckResult:
+    """Greedy fit of every pool (nodes × bundles_per_node × bundle) onto the nodes' total resources."""
+    free = {n.ip: dict(n.resources) for n in nodes}
+    pools = sorted(plan.pools.items(), key=lambda kv: -_demand_size(kv[1]))
+    problems, placed = [], []
+    for name, pool in pools:
+        need = {k: v * pool.bundles_per_node for k, v in pool.bundle.items() if v}
+        hosts = sorted((ip for ip, f in free.items() if all(f.get(k, 0.0) + 1e-9 >= v for k, v in need.items())),
+                       key=lambda ip: sum(free[ip].get(k, 0.0) for k in need))  # tightest first
+        if len(hosts) < pool.nodes:
+            have = "; ".join(f"{ip}: {_fmt(f)}" for ip, f in free.items())
+            problems.append(f"pool {name!r} needs {pool.nodes} node(s) × {_fmt(need)} but {len(hosts)} node(s) "
+                            f"can host that (free: {have})")
+            continue
+        for ip in hosts[:pool.nodes]:
+            for k, v in need.items():
+                free[ip][k] -= v
+        placed.append(f"{name}: {pool.nodes}×{pool.bundles_per_node} bundles")
+    if problems:
+        return CheckResult("placement", False, "; ".join(problems),
+                           "lower cluster.pools.<pool>.nodes / workers_per_node / gpus_per_worker, or add "
+                           "nodes with `fleetrl cluster up --address HEAD:PORT`")
+    return CheckResult("placement", True, ", ".join(placed) or "no pools")
+
+
+def check_shared_fs(path: Path, probes: list[NodeProbe], seen_by_head: set[str]) -> CheckResult:
+    failed = [f"{p.ip} ({p.marker_error})" for p in probes if p.marker_error]
+    unseen = [p.ip for p in probes if not p.marker_error and p.node_id not in seen_by_head]
+    if failed or unseen:
+        detail = "; ".join(filter(None, [f"cannot write on {', '.join(failed)}" if failed else "",
+                                         f"files written on {', '.join(unseen)} not visible on the head"
+                                         if unseen else ""]))
+        return CheckResult("shared filesystem", False, f"{path}: {detail}",
+                           f"put the checkpoint path on a filesystem every node mounts at the same path "
+                           f"(NFS, Lustre, ...) and set trainer.output_dir / --checkpoint-path to it")
+    return CheckResult("shared filesystem", True, f"{path} shared by {len(probes)} node(s)")
+
+
+def check_ports(probes: list[NodeProbe]) -> CheckResult:
+    bad = [f"{p.ip} -> {u}" for p in probes for u in p.unreachable]
+    if bad:
+        return CheckResult("ports", False, "; ".join(bad),
+                           "open these TCP ports between the nodes (firewall / security group), or check "
+                           "that each node advertises a reachable --node-ip-address")
+    return CheckResult("ports", True, "every node reaches the others' Ray ports")
+
+
+def check_disk(probes: list[NodeProbe], path: Path, min_free_gb: float) -> CheckResult:
+    low = [f"{p.ip}: {'unknown' if p.disk_free_bytes is None else f'{p.disk_free_bytes / GB:.1f} GB'}"
+           for p in probes if p.disk_free_bytes is None or p.disk_free_bytes < min_free_gb * GB]
+    if low:
+        return CheckResult("disk", False, f"free at {path} below {min_free_gb:g} GB: {'; '.join(low)}",
+                           "free space there or point --checkpoint-path / trainer.output_dir at a larger disk")
+    least = min(p.disk_free_bytes or 0 for p in probes) / GB if probes else 0
+    return CheckResult("disk", True, f"≥ {least:.1f} GB free at {path} on every node")
+
+
+def allreduce_result(timing: Mapping[str, float] | None, error: str | None, *, backend: str,
+                     world: int) -> CheckResult:
+    name = f"all-reduce ({backend}, {world} nodes)"
+    if error is not None:
+        return CheckResult(name, False, error,
+                           "set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME to the interface of each node's IP "
+                           "(`fleetrl cluster up --net-profile ethernet|ib`) and open ports between nodes")
+    return CheckResult(name, True, f"{timing['mb']:.0f} MB in {timing['seconds'] * 1e3:.1f} ms, "
+                                   f"bus bandwidth {timing['busbw_gbps']:.2f} GB/s")
+
+
+# --------------------------------------------------------------------------------------------- the driver
+def run_doctor(opts: DoctorOptions, token: Any = None) -> list[CheckResult]:
+    """Connects to the cluster at opts.address, gathers facts, runs every check."""
+    from fleetrl.cluster.up import connected
+
+    results: list[CheckResult] = []
+    path = Path(opts.checkpoint_path).expanduser().resolve()
+    with connected(opts.address, token) as ray:
+        nodes = _alive_nodes(ray, opts.address)
+        probes, seen, probe_error = _gather_probes(ray, nodes, path, opts.timeout_s)
+        if probe_error:
+            results.append(CheckResult("probe", False, probe_error,
+                                       "install fleetrl (same version) on every node and check each node's logs"))
+        else:
+            results += [_safe(check_versions, probes), _safe(check_gpus, probes, nodes),
+                        _safe(check_visibility_env, probes), _safe(check_shared_fs, path, probes, seen),
+                        _safe(check_ports, probes), _safe(check_disk, probes, path, opts.min_free_gb)]
+        if opts.config_path is not None:
+            results.append(_safe(_placement_from_config, opts.config_path, nodes))
+        results.append(_run_allreduce(ray, nodes, opts))
+    return results
+
+
+def resolve_targets(config_path: Path | None, address: str | None, checkpoint_path: Path | None,
+                    state_file: Path | None, token_file: Path | None) -> tuple[str, Path, Path | None]:
+    """Fills what the user left out: address and token file from this node's `cluster up` state, else the
+    config's cluster.address; checkpoint path from trainer.output_dir, else ./runs."""
+    from fleetrl.cluster.up import default_state_file, read_state
+
+    state = read_state(state_file or default_state_file())
+    cfg = None
+    if config_path is not None:
+        from fleetrl.config import load_config
+
+        cfg = load_config(config_path)
+    if address is None:
+        address = state.address if state else (cfg.cluster.address if cfg else None)
+    if not address or address == "auto":
+        raise ValueError("no cluster to check: pass --address HEAD_IP:PORT, run on a node started with "
+                         "`fleetrl cluster up`, or set cluster.address in the config")
+    if checkpoint_path is None:
+        checkpoint_path = Path(cfg.trainer.output_dir) if cfg and cfg.trainer.output_dir else Path("runs")
+    if token_file is None and state is not None and state.token_file:
+        token_file = Path(state.token_file)
+    return address, checkpoint_path, token_file
+
+
+def render(results: Iterable[CheckResult], console: Console | None = None) -> bool:
+    """Prints the table; True when every check passed."""
+    table = Table(title="fleetrl doctor")
+    for col in ("", "check", "detail", "fix"):
+        table.add_column(col, overflow="fold")
+    ok = True
+    for r in results:
+        ok &= r.ok
+        table.add_row("[green]✓[/]" if r.ok else "[red]✗[/]", r.name, r.detail, r.fix if not r.ok else "")
+    (console or Console()).print(table)
+    return ok
+
+
+def _safe(check: Callable[..., CheckResult], *args: Any) -> CheckResult:
+    try:
+        return check(*args)
+    except Exception as e:  # a broken check is a failed row, never a crashed doctor
+        return CheckResult(check.__name__.removeprefix("check_").removeprefix("_"), False, f"{type(e).__name__}: {e}",
+                           "see the detail")
+
+
+def _placement_from_config(config_path: Path, nodes: list[NodeInfo]) -> CheckResult:
+    from fleetrl.config import derive_plan, load_config
+
+    return check_placement(derive_plan(load_config(config_path)), nodes)
+
+
+def _alive_nodes(ray: Any, address: str) -> list[NodeInfo]:
+    gcs_port = int(address.rsplit(":", 1)[1]) if ":" in address else None
+    out = []
+    for n in ray.nodes():
+        if not n["Alive"]:
+            continue
+        res = dict(n["Resources"])
+        ports = (n["NodeManagerPort"], n["ObjectManagerPort"])
+        if HEAD_RESOURCE in res and gcs_port:
+            ports += (gcs_port,)
+        out.append(NodeInfo(node_id=n["NodeID"], ip=n["NodeManagerAddress"], resources=res, ports=ports))
+    return sorted(out, key=lambda n: (not n.is_head, n.ip))
+
+
+def _on(node_id: str) -> dict[str, Any]:
+    """Ray options that pin a task or actor to one node, asking for no CPU."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def _gather_probes(ray: Any, nodes: list[NodeInfo], path: Path,
+                   timeout_s: float) -> tuple[list[NodeProbe], set[str], str | None]:
+    marker_dir = path / f".fleetrl-doctor-{uuid.uuid4().hex[:8]}"
+    targets = [(n.ip, port) for n in nodes for port in n.ports]
+    probe, read, clean = (ray.remote(f) for f in (_probe_node, _list_markers, _remove_markers))
+    try:
+        probes = ray.get([probe.options(**_on(n.node_id)).remote(n.node_id, str(path), str(marker_dir), targets)
+                          for n in nodes], timeout=timeout_s)
+        head = next((n for n in nodes if n.is_head), nodes[0])
+        seen = set(ray.get(read.options(**_on(head.node_id)).remote(str(marker_dir)), timeout=timeout_s))
+        ray.get([clean.options(**_on(n.node_id)).remote(str(marker_dir), n.node_id) for n in nodes],
+                timeout=timeout_s)
+    except Exception as e:
+        return [], set(), f"probe tasks failed or timed out after {timeout_s:.0f}s: {type(e).__name__}: {e}"
+    return probes, seen, None
+
+
+def _run_allreduce(ray: Any, nodes: list[NodeInfo], opts: DoctorOptions) -> CheckResult:
+    backend = "nccl" if nodes and all(n.resources.get("GPU", 0) >= 1 for n in nodes) else "gloo"
+    peer_cls = ray.remote(_Peer)
+    peers = [peer_cls.options(num_gpus=1 if backend == "nccl" else 0, **_on(n.node_id)).remote() for n in nodes]
+    try:
+        master, port = ray.get(peers[0].rendezvous.remote(), timeout=opts.timeout_s)
+        refs = [p.allreduce.remote(rank, len(peers), master, port, backend, opts.allreduce_mb, opts.timeout_s)
+                for rank, p in enumerate(peers)]
+        timings = ray.get(refs, timeout=opts.timeout_s + 15)
+    except Exception as e:
+        msg = str(e).strip().splitlines()
+        return allreduce_result(None, f"{type(e).__name__}: {msg[-1] if msg else ''} (timeout {opts.timeout_s:.0f}s)",
+                                backend=backend, world=len(nodes))
+    finally:
+        for p in peers:
+            ray.kill(p)
+    return allreduce_result(max(timings, key=lambda t: t["seconds"]), None, backend=backend, world=len(nodes))
+
+
+# ---------------------------------------------------------------------------- code that runs on each node
+def _probe_node(node_id: str, path: str, marker_dir: str, targets: list[tuple[str, int]]) -> NodeProbe:
+    me = _node_ip()
+    marker_error = None
+    try:
+        Path(marker_dir).mkdir(parents=True, exist_ok=True)
+        (Path(marker_dir) / node_id).write_text(me)
+    except OSError as e:
+        marker_error = e.strerror or str(e)
+    return NodeProbe(node_id=node_id, ip=me, versions=_versions(), gpus_present=_gpus_present(),
+                     visibility_env={k: v for k, v in _raylet_env().items() if k in VISIBILITY_VARS},
+                     disk_free_bytes=_disk_free(Path(path)),
+                     unreachable=[u for ip, port in targets if ip != me and (u := _unreachable(ip, port))],
+                     marker_error=marker_error)
+
+
+def _list_markers(marker_dir: str) -> list[str]:
+    try:
+        return os.listdir(marker_dir)
+    except OSError:
+        return []
+
+
+def _remove_markers(marker_dir: str, node_id: str) -> None:
+    (Path(marker_dir) / node_id).unlink(missing_ok=True)
+    try:
+        Path(marker_dir).rmdir()
+    except OSError:  # other nodes' markers still there (shared fs) or already gone
+        pass
+
+
+class _Peer:
+    """One rank of the doctor's all-reduce; rank 0 also picks the rendezvous port."""
+
+    def rendezvous(self) -> tuple[str, int]:
+        ip = _node_ip()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def allreduce(self, rank: int, world: int, master: str, port: int, backend: str, mb: float,
+                  timeout_s: float) -> dict[str, float]:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+            x = torch.full((int(mb * 2**20) // 4,), float(rank + 1), device=device)
+            dist.all_reduce(x)  # warm-up: connection setup is not bandwidth
+            x.fill_(float(rank + 1))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            expected = world * (world + 1) / 2
+            if not torch.allclose(x[:16].cpu(), torch.full((16,), expected)):
+                raise RuntimeError(f"all-reduce returned {x[0].item()} instead of {expected}")
+        finally:
+            dist.destroy_process_group()
+        nbytes = x.numel() * 4
+        return {"seconds": seconds, "mb": nbytes / 2**20,
+                "busbw_gbps": 2 * (world - 1) / world * nbytes / seconds / 1e9 if world > 1 else 0.0}
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _versions() -> dict[str, str]:
+    import ray
+    import torch
+
+    try:
+        fleetrl_version = importlib.metadata.version("fleetrl")
+    except importlib.metadata.PackageNotFoundError:
+        fleetrl_version = "source"
+    return {"python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
+            "fleetrl": fleetrl_version}
+
+
+def _gpus_present() -> int:
+    """GPUs physically on the node, whatever the visibility variables say."""
+    if shutil.which("nvidia-smi"):
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        if done.returncode == 0:
+            return sum(1 for line in done.stdout.splitlines() if line.startswith("GPU "))
+    kfd = Path("/sys/class/kfd/kfd/topology/nodes")  # AMD: CPU nodes have gpu_id 0
+    if kfd.is_dir():
+        return sum(1 for n in kfd.iterdir() if (n / "gpu_id").is_file() and (n / "gpu_id").read_text().strip() != "0")
+    return 0
+
+
+def _raylet_env() -> dict[str, str]:
+    """The environment `ray start` ran with: the raylet is this worker's parent; Ray edits our own env."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+        return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+    except OSError:
+        return dict(os.environ)
+
+
+def _disk_free(path: Path) -> int | None:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return None
+
+
+def _unreachable(ip: str, port: int) -> str | None:
+    try:
+        with socket.create_connection((ip, port), timeout=3.0):
+            return None
+    except OSError as e:
+        return f"{ip}:{port} ({e.strerror or e})"
+
+
+def _demand_size(pool: Any) -> float:
+    return pool.nodes * pool.bundles_per_node * (pool.bundle.get("GPU", 0) * 1e6 + pool.bundle.get("CPU", 0))
+
+
+def _fmt(res: Mapping[str, float]) -> str:
+    shown = {k: v for k, v in res.items() if k in ("GPU", "CPU", "memory") and v}
+    return ", ".join(f"{v / GB:.0f} GB memory" if k == "memory" else f"{v:g} {k}" for k, v in shown.items()) or "nothing"

@@ -1,0 +1,51 @@
+"""Weight sync to a separate rollout pool: a bus of trainer rank 0 + every rollout worker, set up once,
+then one bucketed broadcast per step with a version the rollout engines check before generating."""
+from __future__ import annotations
+
+import ray
+
+from fleetrl.cluster.group import WorkerGroup
+from fleetrl.workers.worker import Worker
+
+BUCKET_BYTES = 64 << 20
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+def _call(group: WorkerGroup, method, *args) -> list:
+    if group.backend == "local":
+        return [method(w, *args) for w in group.workers]
+    return [getattr(w, method.__name__).remote(*args) for w in group.workers]
+
+
+def _wait(refs: list, timeout_s: float, what: str) -> list:
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise WeightSyncError(f"{what} did not finish within {timeout_s:g}s: a rollout worker is stalled or gone "
+                              f"(raise cluster.init_timeout_s for very large models)") from e
+    except ray.exceptions.RayTaskError as e:
+        raise WeightSyncError(f"{what} failed: {e.cause if hasattr(e, 'cause') else e}") from e
+
+
+def connect_bus(actor: WorkerGroup, rollout: WorkerGroup, timeout_s: float) -> None:
+    host, port = ray.get(actor.workers[0].master_address.remote(), timeout=timeout_s)
+    size = 1 + rollout.world_size
+    refs = [w.bus_join.remote(host, port, 0 if r == 0 else -1, size, timeout_s) for r, w in enumerate(actor.workers)]
+    refs += [w.bus_join.remote(host, port, 1 + r, size, timeout_s) for r, w in enumerate(rollout.workers)]
+    _wait(refs, timeout_s * 2, "weight-bus rendezvous")
+    actor.bus_ready = True
+
+
+def broadcast_weights(actor: WorkerGroup, rollout: WorkerGroup, version: int, timeout_s: float) -> int:
+    """Returns the bytes sent. Raises WeightSyncError (never hangs) when a receiver stalls."""
+    if actor.backend == "local":
+        raise WeightSyncError("a separate rollout pool needs cluster.backend=ray")
+    if not getattr(actor, "bus_ready", False):
+        connect_bus(actor, rollout, timeout_s)
+    send = [w.bus_send.remote(BUCKET_BYTES) for w in actor.workers]
+    recv = [w.bus_receive.remote(BUCKET_BYTES, version) for w in rollout.workers]
+    sent = _wait(send + recv, timeout_s * 2, f"weight broadcast v{version}")
+    return int(sent[0])

@@ -1,0 +1,130 @@
+"""What the fast engine reads from a Hugging Face Llama / Qwen2 decoder: its shape and its weight tensors.
+
+Weights are looked up on the HF modules every time `model_weights` is called and are never copied: when the
+engine is colocated with the trainer it decodes with the trainer's own parameters, so an optimizer step is
+visible to the next `generate` with no weight sync. (CUDA graphs bake the tensors' addresses in; the engine
+compares `weight_fingerprint` before each call and re-captures if a parameter was re-allocated.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# RoPE variants whose frequencies do not depend on the sequence length, so one precomputed table is exact.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecoderSpec:
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    rms_eps: float
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    ln1: torch.Tensor
+    wq: torch.Tensor
+    bq: torch.Tensor | None
+    wk: torch.Tensor
+    bk: torch.Tensor | None
+    wv: torch.Tensor
+    bv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    ln2: torch.Tensor
+    wg: torch.Tensor
+    bg: torch.Tensor | None
+    wu: torch.Tensor
+    bu: torch.Tensor | None
+    wd: torch.Tensor
+    bd: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWeights:
+    embed: torch.Tensor      # [V, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor       # [hidden]
+    lm_head: torch.Tensor    # [V, hidden]; the same tensor as `embed` when tied
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.embed, self.norm, self.lm_head]
+        for lw in self.layers:
+            out.extend(t for t in (getattr(lw, f) for f in LayerWeights.__slots__) if t is not None)
+        return out
+
+
+def read_spec(model: torch.nn.Module) -> DecoderSpec:
+    """Validates that `model` is a decoder this engine's forward reproduces exactly, and returns its shape."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"FastRolloutEngine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}; "
+                         "use the 'hf' engine for other architectures")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"FastRolloutEngine implements the SwiGLU MLP (hidden_act='silu'), got {cfg.hidden_act!r}")
+    if getattr(cfg, "use_sliding_window", False):
+        raise ValueError("FastRolloutEngine has no sliding-window attention; set config.use_sliding_window=False "
+                         "or use the 'hf' engine")
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"RoPE type {rope_type!r} depends on the sequence length; FastRolloutEngine supports "
+                         f"{STATIC_ROPE_TYPES} (use the 'hf' engine for this model)")
+    heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    return DecoderSpec(num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, num_heads=heads,
+                       num_kv_heads=kv_heads, head_dim=head_dim, vocab=cfg.vocab_size, rms_eps=cfg.rms_norm_eps)
+
+
+def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
+    return linear.bias if getattr(linear, "bias", None) is not None else None
+
+
+def model_weights(model: torch.nn.Module) -> ModelWeights:
+    """The model's current parameter tensors (no copies; `.data` of each parameter)."""
+    layers = []
+    for layer in model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        layers.append(LayerWeights(
+            layer.input_layernorm.weight.data,
+            att.q_proj.weight.data, _data(_bias(att.q_proj)), att.k_proj.weight.data, _data(_bias(att.k_proj)),
+            att.v_proj.weight.data, _data(_bias(att.v_proj)), att.o_proj.weight.data, _data(_bias(att.o_proj)),
+            layer.post_attention_layernorm.weight.data,
+            mlp.gate_proj.weight.data, _data(_bias(mlp.gate_proj)), mlp.up_proj.weight.data, _data(_bias(mlp.up_proj)),
+            mlp.down_proj.weight.data, _data(_bias(mlp.down_proj))))
+    return ModelWeights(model.model.embed_tokens.weight.data, layers, model.model.norm.weight.data,
+                        model.lm_head.weight.data)
+
+
+def _data(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.data
+
+
+def weight_fingerprint(weights: ModelWeights) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in weights.tensors())
+
+
+def rope_tables(model: torch.nn.Module, max_seq_len: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_seq_len, head_dim] in the model dtype, computed exactly as HF's rotary module does
+    (fp32 position * inv_freq, duplicated halves, times attention_scaling, then cast), from its own inv_freq."""
+    rotary = model.model.rotary_emb
+    inv_freq = rotary.inv_freq.detach().to(device=device, dtype=torch.float32)
+    pos = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)

@@ -1,0 +1,285 @@
+"""FastRolloutEngine: continuous-batching decode with a static KV cache and CUDA graphs, on the model's own weights.
+
+Colocated use (the default): the engine is handed the trainer's HF model and reads its parameter tensors in
+place at every step (`arch.model_weights`); nothing is copied, so after an optimizer step the next `generate`
+samples from the new policy. `load_weights` is for a separate rollout pool: it copies named tensors into the
+parameters (in place, so captured graphs stay valid) and records the version. If the model's parameters are
+re-allocated (e.g. `model.to(...)`), the next call notices the new addresses and re-captures its graphs.
+
+Scheduling: `max_batch` slots. Prompts wait in input order; whenever slots are free, waiting prompts are
+prefilled into them (lowest slot first) and join the decode batch. Every `sync_every` steps the host reads the
+slots' done flags once, harvests finished responses and frees their slots. Nothing else syncs per token.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Literal, Mapping
+
+import torch
+
+from fleetrl.engines.fast.arch import DecoderSpec, model_weights, read_spec, weight_fingerprint
+from fleetrl.engines.fast.forward import DecoderForward
+from fleetrl.engines.fast.graphs import DecodeGraphs, batch_buckets, bucket_for
+from fleetrl.engines.fast.postprocess import assemble_output
+from fleetrl.engines.fast.sampling import SamplerKey, is_stop, sample
+from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers
+from fleetrl.engines.protocol import GenerationOutput, SamplingParams
+
+KV_BUCKET = 256  # kv-length granularity of the torch-path graphs (the Triton path reads exact lengths)
+
+
+class FastRolloutEngine:
+    """RolloutEngine for Llama/Qwen2 HF models (see module docstring). Runs on CUDA (graphs, Triton) or CPU.
+
+    kernels: "auto" uses the fused Triton kernels on CUDA when triton is installed, else torch ops; "torch"
+    forces torch ops. sync_every: decode steps between host reads of the done flags. prefill_tokens: the
+    most (padded) prompt tokens prefilled in one forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: object | None, *, device: torch.device | str,
+                 max_batch: int = 256, max_seq_len: int = 2048, use_cuda_graphs: bool | None = None, seed: int = 0,
+                 kernels: Literal["auto", "triton", "torch"] = "auto", sync_every: int = 16,
+                 prefill_tokens: int = 32768) -> None:
+        if max_batch < 1 or max_seq_len < 2 or sync_every < 1:
+            raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, sync_every >= 1; got {max_batch}, "
+                             f"{max_seq_len}, {sync_every}")
+        self.model, self.tokenizer = model, tokenizer
+        self.device = _resolve(torch.device(device))
+        self.spec: DecoderSpec = read_spec(model)
+        self.max_batch, self.max_seq_len, self.sync_every = max_batch, max_seq_len, sync_every
+        self.prefill_tokens = max(prefill_tokens, max_seq_len)
+        self.dtype = self._check_weights()
+        self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        if self.use_cuda_graphs and self.device.type != "cuda":
+            raise ValueError("use_cuda_graphs=True needs a CUDA device; pass use_cuda_graphs=None or False on CPU")
+        self.kernels = _load_kernels(kernels, self.device, self.spec, self.dtype)
+        self._fwd = DecoderForward(model, self.spec, max_seq_len, self.dtype, self.device, self.kernels)
+        self._eos = _eos_ids(model, tokenizer)
+        self._rng = torch.Generator().manual_seed(seed)
+        self._buckets = batch_buckets(max_batch)
+        self._buf: SlotBuffers | None = None
+        self._graphs: DecodeGraphs | None = None
+        self._fingerprint: tuple[int, ...] = ()
+        self.weights_version = 0
+        self.stats = {"decode_steps": 0, "prefills": 0, "syncs": 0}
+
+    # ------------------------------------------------------------------------------------------ protocol
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> GenerationOutput:
+        rows = self._unpad(prompts, prompt_mask, params)
+        buf = self._ready()
+        key = self._configure(buf, params)
+        tok, lp, counts = self._run(buf, rows, params.max_new_tokens, key)
+        stop_set = set(self._eos) | set(params.stop_token_ids)
+        return assemble_output(tok, lp, counts, stop_set, params.stop_strings, self.tokenizer, prompts.device)
+
+    @torch.no_grad()
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        named.update(self.model.named_buffers(remove_duplicate=False))
+        for name, tensor in state.items():
+            target = named.get(name)
+            if target is None:
+                raise ValueError(f"load_weights: {name!r} is not a parameter of the rollout model; "
+                                 f"expected HF names such as {next(iter(named))!r}")
+            if target.shape != tensor.shape:
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model's is {tuple(target.shape)}")
+            target.data.copy_(tensor)  # in place: captured graphs keep pointing at the right memory
+        self.weights_version = version
+
+    def sleep(self) -> None:
+        """Frees the KV cache, slot buffers and graphs. The weights stay: they are the trainer's tensors."""
+        self._buf, self._graphs = None, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        self._ready()
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _check_weights(self) -> torch.dtype:
+        tensors = model_weights(self.model).tensors()
+        devices = {_resolve(t.device) for t in tensors}
+        dtypes = {t.dtype for t in tensors}
+        if devices != {self.device}:
+            raise ValueError(f"model parameters are on {sorted(map(str, devices))} but the engine device is "
+                             f"{self.device}; move the model there first (the engine decodes with the model's own "
+                             "tensors and never copies them)")
+        if len(dtypes) != 1:
+            raise ValueError(f"model parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype "
+                             "(e.g. model.to(torch.bfloat16)) or give the engine a bf16 copy via load_weights")
+        return dtypes.pop()
+
+    def _ready(self) -> SlotBuffers:
+        if self._buf is None:
+            self._buf = SlotBuffers.allocate(self.spec, self.max_batch, self.max_seq_len, self.dtype, self.device)
+            self._graphs = None
+        fingerprint = weight_fingerprint(model_weights(self.model))
+        if fingerprint != self._fingerprint:  # parameters re-allocated: graphs hold stale addresses
+            self._fingerprint, self._graphs = fingerprint, None
+        if self.use_cuda_graphs and self._graphs is None:
+            self._graphs = DecodeGraphs(self._step, self._buf.step_state())
+        return self._buf
+
+    def _unpad(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> list[torch.Tensor]:
+        if prompts.shape != prompt_mask.shape or prompts.dim() != 2:
+            raise ValueError(f"prompts {tuple(prompts.shape)} and prompt_mask {tuple(prompt_mask.shape)} must be "
+                             "the same [B, P] shape")
+        if params.max_new_tokens < 1 or params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+            raise ValueError(f"invalid SamplingParams {params}: need max_new_tokens >= 1, temperature >= 0, "
+                             "0 < top_p <= 1, top_k >= 0")
+        ids, mask = prompts.cpu(), prompt_mask.cpu().bool()
+        rows = [ids[i][mask[i]] for i in range(ids.shape[0])]
+        for i, row in enumerate(rows):
+            if len(row) == 0 or len(row) + params.max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt {i} has {len(row)} tokens; with max_new_tokens={params.max_new_tokens} "
+                                 f"it needs 1..{self.max_seq_len - params.max_new_tokens} tokens to fit "
+                                 f"max_seq_len={self.max_seq_len} (raise max_seq_len or shorten the prompt)")
+        return rows
+
+    def _configure(self, buf: SlotBuffers, params: SamplingParams) -> SamplerKey:
+        stop = sorted(set(self._eos) | set(params.stop_token_ids))
+        if len(stop) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stop)} stop token ids given; at most {MAX_STOP_IDS} are supported")
+        buf.stop_ids.fill_(-1)
+        if stop:
+            buf.stop_ids[: len(stop)] = torch.tensor(stop, dtype=torch.long)
+        greedy = params.temperature == 0
+        buf.temperature.fill_(1.0 if greedy else params.temperature)
+        seed = params.seed if params.seed is not None else int(torch.randint(1 << 22, (1,), generator=self._rng))
+        buf.seed.fill_(seed % (1 << 22))
+        return SamplerKey(True) if greedy else SamplerKey(False, params.top_k, params.top_p)
+
+    # ------------------------------------------------------------------------------------- scheduling
+    def _run(self, buf: SlotBuffers, rows: list[torch.Tensor], max_new: int,
+             key: SamplerKey) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Continuous batching over all requests -> (tokens [B, max_new], logprobs [B, max_new], counts)."""
+        free = list(range(self.max_batch))
+        pending = deque(range(len(rows)))
+        running: dict[int, int] = {}           # slot -> request
+        length: dict[int, int] = {}            # slot -> prompt length
+        sampled: dict[int, int] = {}           # slot -> tokens sampled (exact while live, capped at max_new)
+        parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        counts = [0] * len(rows)
+        buf.done.fill_(True)
+        while pending or running:
+            if pending and free:
+                admit = [(heapq.heappop(free), pending.popleft()) for _ in range(min(len(free), len(pending)))]
+                self._prefill(buf, rows, admit, max_new, key)
+                for slot, req in admit:
+                    running[slot], length[slot], sampled[slot] = req, len(rows[req]), 1
+            nb = bucket_for(max(running) + 1, self._buckets)
+            for _ in range(min(self.sync_every, max(max_new - sampled[s] for s in running))):
+                self._decode(nb, max(length[s] + sampled[s] for s in running), key)
+                for s in running:
+                    sampled[s] = min(sampled[s] + 1, max_new)
+            flags = torch.stack((buf.done[:nb].long(), buf.count[:nb])).cpu()
+            self.stats["syncs"] += 1
+            finished = [s for s in running if flags[0, s]]
+            if finished:
+                index = torch.tensor(finished, device=self.device)
+                parts.append(([running[s] for s in finished], buf.out_tok[index, :max_new],
+                               buf.out_lp[index, :max_new]))
+                for s in finished:
+                    counts[running.pop(s)] = int(flags[1, s])
+                    heapq.heappush(free, s)
+        reqs = [r for p in parts for r in p[0]]
+        order = torch.empty(len(rows), dtype=torch.long)
+        order[torch.tensor(reqs)] = torch.arange(len(rows))
+        order = order.to(self.device)
+        return (torch.cat([p[1] for p in parts])[order], torch.cat([p[2] for p in parts])[order], counts)
+
+    def _prefill(self, buf: SlotBuffers, rows: list[torch.Tensor], admit: list[tuple[int, int]], max_new: int,
+                 key: SamplerKey) -> None:
+        for chunk in _chunks(admit, rows, self.prefill_tokens):
+            lens = [len(rows[r]) for _, r in chunk]
+            toks = torch.zeros(len(chunk), max(lens), dtype=torch.long)
+            for i, (_, r) in enumerate(chunk):
+                toks[i, : lens[i]] = rows[r]
+            dev = dict(device=self.device)
+            slots = torch.tensor([s for s, _ in chunk], **dev)
+            reqs = torch.tensor([r for _, r in chunk], **dev)
+            lengths = torch.tensor(lens, **dev)
+            logits = self._fwd.prefill(buf.k, buf.v, toks.to(self.device), lengths, slots)
+            tok, lp = sample(logits, key, buf.temperature, buf.seed, reqs, torch.zeros_like(reqs), self.kernels)
+            buf.out_tok[slots, 0], buf.out_lp[slots, 0] = tok, lp
+            buf.tokens[slots], buf.pos[slots], buf.req[slots] = tok, lengths, reqs
+            buf.count[slots], buf.limit[slots] = 1, max_new
+            buf.done[slots] = is_stop(tok, buf.stop_ids) | (max_new <= 1)
+            self.stats["prefills"] += 1
+
+    def _decode(self, nb: int, kv_len: int, key: SamplerKey) -> None:
+        self.stats["decode_steps"] += 1
+        if self._graphs is None:
+            self._step((nb, kv_len, key))
+            return
+        kv = 0 if self.kernels is not None else min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self.max_seq_len)
+        self._graphs.run((nb, kv, key))
+
+    def _step(self, graph_key: tuple[int, int, SamplerKey]) -> None:
+        """One decode step for slots [0, nb): forward, sample, append, update done. Device-only (capturable)."""
+        nb, kv_len, key = graph_key
+        buf = self._buf
+        logits = self._fwd.decode(buf.k, buf.v, buf.tokens[:nb], buf.pos[:nb], kv_len)
+        tok, lp = sample(logits, key, buf.temperature, buf.seed, buf.req[:nb], buf.count[:nb], self.kernels)
+        was_done = buf.done[:nb].clone()
+        live = (~was_done).long()
+        col = torch.where(was_done, buf.junk_col, buf.count[:nb])[:, None]
+        buf.out_tok[:nb].scatter_(1, col, tok[:, None])
+        buf.out_lp[:nb].scatter_(1, col, lp[:, None])
+        buf.count[:nb] += live
+        buf.pos[:nb] += live
+        buf.tokens[:nb] = tok
+        buf.done[:nb] = was_done | is_stop(tok, buf.stop_ids) | (buf.count[:nb] >= buf.limit[:nb])
+
+
+def _chunks(admit: list[tuple[int, int]], rows: list[torch.Tensor], budget: int) -> list[list[tuple[int, int]]]:
+    """Splits admitted (slot, request) pairs so that n * longest prompt <= budget tokens per prefill."""
+    out: list[list[tuple[int, int]]] = [[]]
+    longest = 0
+    for item in admit:
+        n = len(rows[item[1]])
+        if out[-1] and (len(out[-1]) + 1) * max(longest, n) > budget:
+            out.append([])
+            longest = 0
+        out[-1].append(item)
+        longest = max(longest, n)
+    return out
+
+
+def _resolve(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: object | None) -> list[int]:
+    """EOS = the tokenizer's eos_token_id plus the model generation config's (int or list); may be empty."""
+    ids: set[int] = set()
+    for value in (getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def _load_kernels(choice: str, device: torch.device, spec: DecoderSpec, dtype: torch.dtype) -> object | None:
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {choice!r}")
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return None
+    try:
+        from fleetrl.engines.fast.triton_kernels import TritonKernels
+    except ImportError as err:
+        if choice == "triton":
+            raise ValueError(f"kernels='triton' needs the triton package ({err}); install it or use 'torch'") from err
+        return None
+    if not TritonKernels.supports(spec, dtype):
+        if choice == "triton":
+            raise ValueError(f"the Triton kernels need a power-of-two head_dim >= 16, got {spec.head_dim}")
+        return None
+    return TritonKernels()

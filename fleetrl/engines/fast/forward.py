@@ -1,0 +1,125 @@
+"""The fast engine's own Llama/Qwen2 forward: prefill of new prompts and one batched decode step.
+
+Written with torch ops (and optionally the fused Triton kernels of `triton_kernels.py` on CUDA), reading the
+weights from the HF modules (`arch.model_weights`). Every numerical step mirrors the HF modules (RMSNorm in
+fp32 then cast, RoPE from HF's own inv_freq, residual adds in the model dtype) so that on CPU fp32 it matches
+`model.generate` token for token.
+
+Cache layout: k/v [layers, slots, kv_heads, max_seq_len, head_dim]; slot s holds its sequence from position 0
+(prompts are un-padded on admission, so no position offsets are needed).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fleetrl.engines.fast.arch import DecoderSpec, ModelWeights, model_weights, rope_tables
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm/Qwen2RMSNorm, op for op."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, as HF's apply_rotary_pos_emb (cos/sin broadcast over heads)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _mlp(h: torch.Tensor, lw: Any) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(h, lw.wg, lw.bg)) * F.linear(h, lw.wu, lw.bu), lw.wd, lw.bd)
+
+
+class DecoderForward:
+    def __init__(self, model: torch.nn.Module, spec: DecoderSpec, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device, kernels: Any | None) -> None:
+        self.model = model
+        self.spec = spec
+        self.kernels = kernels
+        self.scale = spec.head_dim ** -0.5
+        self.cos, self.sin = rope_tables(model, max_seq_len, dtype, device)
+
+    def weights(self) -> ModelWeights:
+        return model_weights(self.model)
+
+    # ----------------------------------------------------------------------------------------- prefill
+    def prefill(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        """tokens [n, P] RIGHT-padded prompts, lengths [n], slots [n] -> logits of the last prompt token [n, V].
+
+        Right padding means causal attention alone is exact for every real token (pads only ever come after),
+        so the flash/causal SDPA path is used; the pads' K/V land past each prompt's end and are never read.
+        """
+        s, w = self.spec, self.weights()
+        n, plen = tokens.shape
+        x = F.embedding(tokens, w.embed)
+        cos, sin = self.cos[:plen][None, None], self.sin[:plen][None, None]
+        for layer, lw in enumerate(w.layers):
+            h = rms_norm(x, lw.ln1, s.rms_eps)
+            q = F.linear(h, lw.wq, lw.bq).view(n, plen, s.num_heads, s.head_dim).transpose(1, 2)
+            k = F.linear(h, lw.wk, lw.bk).view(n, plen, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            v = F.linear(h, lw.wv, lw.bv).view(n, plen, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_cache[layer][slots, :, :plen] = k
+            v_cache[layer][slots, :, :plen] = v
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=s.group > 1)
+            x = x + F.linear(o.transpose(1, 2).reshape(n, plen, -1), lw.wo, lw.bo)
+            x = x + _mlp(rms_norm(x, lw.ln2, s.rms_eps), lw)
+        last = x[torch.arange(n, device=x.device), lengths - 1]
+        return F.linear(rms_norm(last, w.norm, s.rms_eps), w.lm_head)
+
+    # ------------------------------------------------------------------------------------------ decode
+    def decode(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
+               kv_len: int) -> torch.Tensor:
+        """One token per slot: tokens [nb] at positions pos [nb] (slots 0..nb-1) -> logits [nb, V].
+
+        Writes each token's K/V at its position, then attends over positions <= pos. kv_len bounds the cache
+        span read by the torch path (>= max(pos) + 1 over live slots); the Triton path reads each slot's own
+        length and ignores it.
+        """
+        if self.kernels is not None:
+            return self._decode_triton(k_cache, v_cache, tokens, pos)
+        s, w = self.spec, self.weights()
+        nb = tokens.shape[0]
+        x = F.embedding(tokens, w.embed)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        rows = torch.arange(nb, device=tokens.device)
+        # [nb, 1, 1, kv_len]; a slot whose pos >= kv_len (a done slot) just sees all of it, never an empty row
+        mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]
+        for layer, lw in enumerate(w.layers):
+            h = rms_norm(x, lw.ln1, s.rms_eps)
+            q = apply_rope(F.linear(h, lw.wq, lw.bq).view(nb, s.num_heads, s.head_dim), cos, sin)
+            k = apply_rope(F.linear(h, lw.wk, lw.bk).view(nb, s.num_kv_heads, s.head_dim), cos, sin)
+            v = F.linear(h, lw.wv, lw.bv).view(nb, s.num_kv_heads, s.head_dim)
+            k_cache[layer][rows, :, pos] = k
+            v_cache[layer][rows, :, pos] = v
+            # GQA without repeating K/V: the G query heads of a KV head act as G query rows of one head.
+            o = F.scaled_dot_product_attention(
+                q.view(nb, s.num_kv_heads, s.group, s.head_dim), k_cache[layer, :nb, :, :kv_len],
+                v_cache[layer, :nb, :, :kv_len], attn_mask=mask, scale=self.scale)
+            x = x + F.linear(o.reshape(nb, -1), lw.wo, lw.bo)
+            x = x + _mlp(rms_norm(x, lw.ln2, s.rms_eps), lw)
+        return F.linear(rms_norm(x, w.norm, s.rms_eps), w.lm_head)
+
+    def _decode_triton(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
+                       pos: torch.Tensor) -> torch.Tensor:
+        """Same math as `decode`, with RMSNorm+residual, RoPE+cache write, attention and SiLU*up fused."""
+        kn, s, w = self.kernels, self.spec, self.weights()
+        x = F.embedding(tokens, w.embed)  # residual stream, updated in place by add_rmsnorm
+        h = torch.empty_like(x)
+        delta = None
+        for layer, lw in enumerate(w.layers):
+            kn.add_rmsnorm(x, delta, lw.ln1, s.rms_eps, h)
+            q, k, v = F.linear(h, lw.wq, lw.bq), F.linear(h, lw.wk, lw.bk), F.linear(h, lw.wv, lw.bv)
+            kn.rope_cache_write(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s)
+            o = kn.decode_attention(q, k_cache[layer], v_cache[layer], pos, s, self.scale)
+            kn.add_rmsnorm(x, F.linear(o, lw.wo, lw.bo), lw.ln2, s.rms_eps, h)
+            delta = F.linear(kn.silu_mul(F.linear(h, lw.wg, lw.bg), F.linear(h, lw.wu, lw.bu)), lw.wd, lw.bd)
+        kn.add_rmsnorm(x, delta, w.norm, s.rms_eps, h)
+        return F.linear(h, w.lm_head)

@@ -1,0 +1,65 @@
+"""CUDA graphs of the decode step, one per (batch bucket, kv-length bucket, sampling mode), captured lazily.
+
+All graphs share one memory pool: their tensors are temporaries only (every result is written into the
+engine's static buffers), so no graph depends on pool memory surviving between its replays and any replay
+order is safe.
+"""
+from __future__ import annotations
+
+from typing import Callable, Hashable
+
+import torch
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Powers of two below max_batch, then max_batch itself: [1, 2, 4, ..., max_batch]."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise AssertionError(f"{n} slots exceed the largest bucket {buckets[-1]}")
+
+
+class DecodeGraphs:
+    """`run(key)` replays the graph of `step(key)`, capturing it on first use.
+
+    Warm-up before capture runs the step for real (cuBLAS handles, Triton compilation), so the buffers it
+    advances are saved and restored; the cache rows it writes are rewritten with identical values by the
+    real step that follows.
+    """
+
+    def __init__(self, step: Callable[[Hashable], None], state: list[torch.Tensor]) -> None:
+        self._step = step
+        self._state = state
+        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable) -> None:
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(key)
+        graph.replay()
+
+    def _capture(self, key: Hashable) -> torch.cuda.CUDAGraph:
+        saved = [t.clone() for t in self._state]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step(key)
+        torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip(self._state, saved):
+            t.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(key)
+        return graph

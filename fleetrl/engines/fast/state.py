@@ -1,0 +1,71 @@
+"""Device-resident state of the fast engine: the static KV cache and the per-slot decode buffers.
+
+Everything a decode step reads or writes lives here at a fixed address, so one captured CUDA graph per batch
+bucket can be replayed for the whole call (and the next ones) with no host-side tensor creation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fleetrl.engines.fast.arch import DecoderSpec
+
+MAX_STOP_IDS = 32  # EOS ids + SamplingParams.stop_token_ids, padded with -1 (never a token id)
+
+
+@dataclass(slots=True)
+class SlotBuffers:
+    """Static buffers for `slots` concurrent sequences of up to `max_seq_len` tokens (prompt + response).
+
+    k, v        [layers, slots, kv_heads, max_seq_len, head_dim]  model dtype
+    tokens      [slots] long   last sampled token, fed to the next decode step
+    pos         [slots] long   position of `tokens` (= tokens already in the cache for that slot)
+    done        [slots] bool   finished (or free); a done slot computes garbage that nobody reads
+    count       [slots] long   response tokens sampled so far
+    limit       [slots] long   max_new_tokens of the request in the slot
+    req         [slots] long   request index (keys the random stream, so samples don't depend on the slot)
+    out_tok     [slots, max_seq_len + 1] long    response tokens; the last column is a junk sink for done slots
+    out_lp      [slots, max_seq_len + 1] float32 logprob of each sampled token
+    stop_ids    [MAX_STOP_IDS] long; seed [1] long; temperature [1] float32
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    done: torch.Tensor
+    count: torch.Tensor
+    limit: torch.Tensor
+    req: torch.Tensor
+    out_tok: torch.Tensor
+    out_lp: torch.Tensor
+    stop_ids: torch.Tensor
+    seed: torch.Tensor
+    temperature: torch.Tensor
+
+    @classmethod
+    def allocate(cls, spec: DecoderSpec, slots: int, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device) -> "SlotBuffers":
+        kv_shape = (spec.num_layers, slots, spec.num_kv_heads, max_seq_len, spec.head_dim)
+        long = dict(dtype=torch.long, device=device)
+        return cls(
+            k=torch.zeros(kv_shape, dtype=dtype, device=device), v=torch.zeros(kv_shape, dtype=dtype, device=device),
+            tokens=torch.zeros(slots, **long), pos=torch.zeros(slots, **long),
+            done=torch.ones(slots, dtype=torch.bool, device=device), count=torch.zeros(slots, **long),
+            limit=torch.ones(slots, **long), req=torch.zeros(slots, **long),
+            out_tok=torch.zeros(slots, max_seq_len + 1, **long),
+            out_lp=torch.zeros(slots, max_seq_len + 1, dtype=torch.float32, device=device),
+            stop_ids=torch.full((MAX_STOP_IDS,), -1, **long), seed=torch.zeros(1, **long),
+            temperature=torch.ones(1, dtype=torch.float32, device=device))
+
+    @property
+    def junk_col(self) -> int:
+        return self.out_tok.shape[1] - 1
+
+    def step_state(self) -> list[torch.Tensor]:
+        """The buffers a decode step changes besides the cache rows it rewrites (saved around graph warm-up)."""
+        return [self.tokens, self.pos, self.done, self.count]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.out_tok, self.out_lp))

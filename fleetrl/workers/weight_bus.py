@@ -1,0 +1,83 @@
+"""Bucketed weight broadcast from trainer rank 0 to separate rollout workers (torch only; no Ray here).
+
+The bus is its own process group (TCPStore + a Gloo or NCCL backend built directly), so it does not
+disturb the default group the trainer's data parallelism uses. Both ends iterate their OWN model's
+state_dict in the same order (the rollout copy is built from the same config), so no metadata travels:
+only flat buckets of `bucket_mb`. Every collective has the bus timeout: a receiver that never shows up makes
+the sender fail with a timeout instead of hanging.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+class WeightBus:
+    def __init__(self, host: str, port: int, rank: int, size: int, *, timeout_s: float, device: torch.device) -> None:
+        self.timeout = timedelta(seconds=timeout_s)
+        self.rank, self.size = rank, size
+        self.device = device
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=self.timeout)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, self.timeout)
+
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = self.timeout
+        for t in tensors:
+            self.pg.broadcast([t], opts).wait(self.timeout)
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Groups consecutive same-dtype tensors into buckets of at most bucket_bytes (a larger tensor goes alone)."""
+    current: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if current and (size + nbytes > bucket_bytes or t.dtype != current[0][1].dtype):
+            yield current
+            current, size = [], 0
+        current.append((name, t))
+        size += nbytes
+    if current:
+        yield current
+
+
+def send(bus: WeightBus, named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> int:
+    sent = 0
+    for bucket in buckets(named, bucket_bytes):
+        flat = torch.cat([t.detach().reshape(-1).to(bus.device) for _, t in bucket])
+        bus.broadcast([flat])
+        sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def receive(bus: WeightBus, named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, torch.Tensor]:
+    """`named` are the receiver's own tensors (for shapes/dtypes); returns fresh received tensors by name."""
+    out: dict[str, torch.Tensor] = {}
+    for bucket in buckets(named, bucket_bytes):
+        flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=bucket[0][1].dtype, device=bus.device)
+        bus.broadcast([flat])
+        offset = 0
+        for name, t in bucket:
+            out[name] = flat[offset: offset + t.numel()].view_as(t)
+            offset += t.numel()
+    return out
+
+
+def full_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Named full tensors in state_dict order; sharded (DTensor) parameters are gathered on every rank."""
+    items = []
+    for name, t in model.state_dict().items():
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        items.append((name, t))
+    return items

@@ -1,0 +1,141 @@
+"""`fleetrl submit` / `jobs ...` against a real Ray head on 127.0.0.1 (started with `fleetrl cluster up`,
+stopped by PID with `fleetrl cluster down`); one head for the module."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import typer
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests.netns` whatever the pytest rootdir
+from fleetrl.cli import ops  # noqa: E402
+from fleetrl.cluster import jobs  # noqa: E402
+from fleetrl.cluster.auth import find_token  # noqa: E402
+from fleetrl.cluster.up import read_state  # noqa: E402
+from tests.netns import live_group_members  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "fleetrl.cli.main"]
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head():
+    root = Path(tempfile.mkdtemp(prefix="frlj", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(root / "home"), PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
+    port, dash = _free_port(), _free_port()
+    state = root / "head.json"
+    up = subprocess.run(CLI + ["cluster", "up", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                               "--dashboard-port", str(dash), "--token-file", str(root / "token"),
+                               "--state-file", str(state), "--temp-dir", str(root / "t"), "--num-cpus", "2",
+                               "--object-store-memory", str(80 * 2**20), "--wait-timeout", "60"],
+                        env=env, capture_output=True, text=True, timeout=180)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        token = find_token({}, root / "token")
+        url = f"http://127.0.0.1:{dash}"
+        deadline = time.monotonic() + 60  # the job API comes up a moment after the GCS
+        while True:
+            try:
+                if requests.get(f"{url}/api/version", headers={"Authorization": f"Bearer {token.value}"},
+                                timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "dashboard did not come up"
+            time.sleep(0.5)
+        workdir = root / "wd"
+        workdir.mkdir()
+        yield {"url": url, "token": token, "root": root, "workdir": workdir, "state": state}
+    finally:
+        pid = (read_state(state) or type("S", (), {"pid": None})).pid
+        subprocess.run(CLI + ["cluster", "down", "--state-file", str(state)], env=env, capture_output=True,
+                       timeout=60)
+        if pid is not None:
+            assert live_group_members(pid) == []  # everything `cluster up` started is gone
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _cli(*args: str):
+    app = typer.Typer()
+    ops.register(app)
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "300"})
+
+
+def _wait(head, job_id: str, states: set[str], timeout: float = 60) -> jobs.JobInfo:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = jobs.job_status(head["url"], job_id, head["token"])
+        if info.status in states:
+            return info
+        assert time.monotonic() < deadline, f"job {job_id} still {info.status}"
+        time.sleep(0.5)
+
+
+def test_train_entrypoint_is_fleetrl_train_with_quoted_overrides():
+    assert jobs.train_entrypoint("examples/q.yaml", ["trainer.total_steps=3", "trainer.name=a b"]) == \
+        "python -m fleetrl.cli.main train examples/q.yaml trainer.total_steps=3 'trainer.name=a b'"
+    with pytest.raises(ValueError, match="not key=value"):
+        jobs.train_entrypoint("q.yaml", ["oops"])
+
+
+def test_submit_runs_fleetrl_train_on_the_cluster(head):
+    token_file = str(head["root"] / "token")
+    result = _cli("submit", "missing.yaml", "trainer.total_steps=1", "--address", head["url"], "--working-dir",
+                  str(head["workdir"]), "--env", f"PYTHONPATH={REPO}", "--token-file", token_file)
+    assert result.exit_code == 0, result.output
+    job_id = result.output.strip().splitlines()[-1]
+    info = _wait(head, job_id, TERMINAL, timeout=180)  # `fleetrl train` imports torch first: slow on a busy box
+    assert info.entrypoint == "python -m fleetrl.cli.main train missing.yaml trainer.total_steps=1"
+    # `fleetrl train` itself ran on the cluster and rejected the config path it was given.
+    assert "missing.yaml" in jobs.job_logs(head["url"], job_id, head["token"])
+    listed = _cli("jobs", "list", "--address", head["url"], "--token-file", token_file)
+    assert job_id in listed.output
+
+
+def test_logs_follow_streams_until_the_job_ends(head):
+    job_id = jobs.submit_entrypoint(head["url"], "echo hello-from-job", working_dir=head["workdir"],
+                                    token=head["token"])
+    result = _cli("jobs", "logs", job_id, "-f", "--address", head["url"], "--token-file",
+                  str(head["root"] / "token"))
+    assert result.exit_code == 0, result.output
+    assert "hello-from-job" in result.output
+    assert _wait(head, job_id, TERMINAL).status == "SUCCEEDED"
+
+
+def test_stop_ends_a_running_job(head):
+    job_id = jobs.submit_entrypoint(head["url"], "python -u -c 'import time; print(\"up\"); time.sleep(300)'",
+                                    working_dir=head["workdir"], token=head["token"])
+    _wait(head, job_id, {"RUNNING"})
+    result = _cli("jobs", "stop", job_id, "--address", head["url"], "--token-file", str(head["root"] / "token"))
+    assert result.exit_code == 0, result.output
+    assert _wait(head, job_id, TERMINAL, timeout=30).status == "STOPPED"
+    status = _cli("jobs", "status", job_id, "--address", head["url"], "--token-file", str(head["root"] / "token"))
+    assert "STOPPED" in status.output
+
+
+def test_job_api_rejects_a_client_without_the_token(head):
+    with pytest.raises(Exception) as err:
+        jobs.list_jobs(head["url"], token=None)
+    assert "auth" in str(err.value).lower() or "401" in str(err.value)
+
+
+def test_address_must_be_the_dashboard_url():
+    with pytest.raises(ValueError, match="http://HEAD_IP:8265"):
+        jobs.list_jobs("10.0.0.1:6379")

@@ -1,0 +1,78 @@
+import pytest
+
+from fleetrl.config import ConfigError, derive_plan, load_config
+
+
+def _plan(*overrides):
+    return derive_plan(load_config(None, list(overrides)))
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["actor.optim.lr=1e-6", "rollout.stop=</s>", "algorithm.dual_clip=3"])
+    assert cfg.actor.optim.lr == 1e-6 and isinstance(cfg.actor.optim.lr, float)
+    assert cfg.rollout.stop == ("</s>",)
+    assert cfg.algorithm.dual_clip == 3.0
+
+
+def test_unknown_key_did_you_mean():
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor.optim.lrr'; did you mean 'actor.optim.lr'"):
+        load_config(None, ["actor.optim.lrr=1"])
+    with pytest.raises(ConfigError, match="did you mean 'algorithm'"):
+        load_config(None, ["algoritm.advantage=gae"])
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ConfigError, match=r"rollout.n: expected int, got str 'eight'"):
+        load_config(None, ["rollout.n=eight"])
+
+
+def test_config_is_frozen():
+    cfg = load_config(None)
+    with pytest.raises(Exception):
+        cfg.rollout.n = 4  # type: ignore[misc]
+
+
+def test_plan_hand_computed():
+    # 8 prompts × 4 samples = 32 samples; mini-batch 4 prompts = 16 samples -> 2 mini-batches;
+    # 2 actor workers -> 8 samples per rank per mini-batch, micro 4 -> 2 accumulation steps.
+    p = _plan("data.prompts_per_step=8", "rollout.n=4", "algorithm.mini_batch_prompts=4",
+              "algorithm.micro_batch_size=4", "cluster.pools.main.workers_per_node=2", "algorithm.advantage=gae")
+    assert (p.samples_per_step, p.mini_batch_samples, p.num_mini_batches) == (32, 16, 2)
+    assert p.world == {"actor": 2, "rollout": 2, "critic": 2}
+    assert p.use_critic and not p.use_ref
+
+
+def test_samples_not_divisible_by_dp():
+    with pytest.raises(ConfigError, match=r"3 × 1 = 3 samples do not split over the 2 data-parallel workers"):
+        _plan("data.prompts_per_step=3", "rollout.n=1", "algorithm.advantage=gae",
+              "cluster.pools.main.workers_per_node=2", "algorithm.micro_batch_size=1")
+
+
+def test_mini_batch_not_multiple_of_micro():
+    with pytest.raises(ConfigError, match=r"each 'actor' worker gets 32 samples .* not a multiple of "
+                                          r"algorithm.micro_batch_size=5"):
+        _plan("data.prompts_per_step=4", "rollout.n=8", "algorithm.micro_batch_size=5")
+
+
+def test_mini_batch_prompts_must_divide():
+    with pytest.raises(ConfigError, match="mini_batch_prompts=3 does not divide data.prompts_per_step=8"):
+        _plan("data.prompts_per_step=8", "algorithm.mini_batch_prompts=3")
+
+
+def test_group_estimator_needs_n_ge_2():
+    with pytest.raises(ConfigError, match="rollout.n must be >= 2"):
+        _plan("rollout.n=1", "algorithm.advantage=rloo")
+
+
+def test_unknown_names_and_pools():
+    with pytest.raises(ConfigError, match="did you mean 'grpo'"):
+        _plan("algorithm.advantage=grpoo")
+    with pytest.raises(ConfigError, match="unknown pool 'gpu'"):
+        _plan("cluster.roles.critic=gpu", "algorithm.advantage=gae")
+
+
+def test_example_configs_derive(tmp_path):
+    import pathlib
+
+    for path in sorted(pathlib.Path("examples").glob("*.yaml")):
+        derive_plan(load_config(path))

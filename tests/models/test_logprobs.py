@@ -1,0 +1,80 @@
+import pytest
+import torch
+
+from fleetrl.models.logprobs import build_inputs, sequence_logprobs
+from fleetrl.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model(build_tiny_tokenizer(), seed=1)
+
+
+def _batch():
+    prompts = torch.tensor([[0, 0, 49, 14], [49, 48, 15, 16], [0, 0, 0, 40]])
+    responses = torch.tensor([[17, 1, 0, 0], [18, 19, 20, 21], [22, 23, 1, 0]])
+    response_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
+    return prompts, (prompts != 0).long(), responses, response_mask
+
+
+def test_build_inputs_hand_checked():
+    ids, attn, pos = build_inputs(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                                  torch.tensor([[10, 1, 0], [11, 12, 13]]), torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    assert ids.tolist() == [[0, 5, 6, 10, 1, 0], [7, 8, 9, 11, 12, 13]]
+    assert attn.tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    # cumsum - 1 = [-1, 0, 1, 2, 3, 3] -> clipped at 0
+    assert pos.tolist() == [[0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 4, 5]]
+
+
+def test_matches_manual_single_sample(model):
+    prompt, response, T = torch.tensor([[49, 48, 14]]), torch.tensor([[15, 16]]), 0.7
+    logp, entropy = sequence_logprobs(model, prompt, torch.ones_like(prompt), response, torch.ones_like(response),
+                                      temperature=T, return_entropy=True)
+    with torch.no_grad():
+        logits = model(torch.tensor([[49, 48, 14, 15, 16]])).logits[0] / T
+    # logits at column 2 predict token 15, column 3 predicts 16
+    manual = torch.stack([logits[2].log_softmax(-1)[15], logits[3].log_softmax(-1)[16]])
+    assert torch.allclose(logp[0], manual, atol=1e-6)
+    probs = logits[2:4].softmax(-1)
+    assert torch.allclose(entropy[0], -(probs * probs.log()).sum(-1), atol=1e-5)
+
+
+def test_left_padding_does_not_change_logprobs(model):
+    prompts, prompt_mask, responses, response_mask = _batch()
+    logp, _ = sequence_logprobs(model, prompts, prompt_mask, responses, response_mask)
+    alone, _ = sequence_logprobs(model, prompts[2:, 3:], prompt_mask[2:, 3:], responses[2:, :3],
+                                 response_mask[2:, :3])
+    assert torch.allclose(logp[2, :3], alone[0], atol=1e-5)
+
+
+def test_chunked_equals_unchunked_and_masked_zero(model):
+    batch = _batch()
+    with torch.no_grad():
+        full, ent_full = sequence_logprobs(model, *batch, temperature=0.9, return_entropy=True)
+        for chunk in (1, 3, 100):
+            part, ent_part = sequence_logprobs(model, *batch, temperature=0.9, return_entropy=True, chunk_size=chunk)
+            assert torch.allclose(part, full, atol=1e-6) and torch.allclose(ent_part, ent_full, atol=1e-6)
+    mask = batch[3]
+    assert full.dtype == torch.float32 and full.shape == (3, 4)
+    assert torch.all(full[mask == 0] == 0) and torch.all(ent_full[mask == 0] == 0)
+    assert torch.all(full[mask == 1] < 0) and torch.all(ent_full[mask == 1] > 0)
+
+
+def test_chunked_gradients_match(model):
+    batch = _batch()
+    grads = []
+    for chunk in (None, 2):
+        model.zero_grad()
+        logp, _ = sequence_logprobs(model, *batch, chunk_size=chunk)
+        logp.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_bad_arguments(model):
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        sequence_logprobs(model, *_batch(), temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        sequence_logprobs(model, *_batch(), chunk_size=0)

@@ -1,0 +1,90 @@
+"""RewardRunner: errors, bad return values, dict returns, and timeouts that do not hang, per isolation mode."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from fleetrl.rewards import RewardError, RewardRouter, RewardRunner
+
+SCORERS_FILE = """
+import os
+import time
+
+def ok(response, ground_truth, extra_info):
+    return float(response == ground_truth)
+
+def boom(response, ground_truth, extra_info):
+    raise ValueError("bad answer " + response)
+
+def sleepy(response, ground_truth, extra_info):
+    if response == "hang":
+        time.sleep(30)
+    return True
+
+def bad_return(response, ground_truth, extra_info):
+    return None if response == "none" else "1"
+
+def with_metrics(response, ground_truth, extra_info):
+    return {"score": 0.5, "length": len(response)}
+
+def die(response, ground_truth, extra_info):
+    os._exit(3)
+"""
+
+
+@pytest.fixture
+def router(tmp_path):
+    path = tmp_path / "scorers.py"
+    path.write_text(SCORERS_FILE)
+    names = ["ok", "boom", "sleepy", "bad_return", "with_metrics", "die"]
+    return RewardRouter({name: f"{path}:{name}" for name in names})
+
+
+def score(runner: RewardRunner, sources: list[str], responses: list[str]):
+    return runner.score(responses, ["a"] * len(responses), sources, [{}] * len(responses))
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_errors_and_return_values(router, isolation, caplog):
+    with RewardRunner(router, isolation=isolation, default_score=-1.0, num_workers=2) as runner:
+        with caplog.at_level(logging.WARNING, logger="fleetrl.rewards"):
+            result = score(runner, ["ok", "ok", "boom", "boom", "bad_return", "bad_return", "with_metrics", "sleepy"],
+                           ["a", "b", "x", "y", "none", "s", "abc", "fast"])
+    assert result.scores == [1.0, 0.0, -1.0, -1.0, -1.0, -1.0, 0.5, 1.0]
+    assert (result.num_errors, result.num_timeouts) == (4, 0)
+    assert result.extras[6] == {"length": 3} and result.extras[0] == {}
+    assert "ValueError: bad answer x" in result.errors[0] and "sample 2" in result.errors[0]
+    assert "NoneType" in result.errors[2] and "str '1'" in result.errors[3]
+    logged = [r.getMessage() for r in caplog.records if r.name == "fleetrl.rewards"]
+    assert len(logged) == 2  # once for boom, once for bad_return, though each failed twice
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_timeout_does_not_hang_or_starve_later_calls(router, isolation):
+    with RewardRunner(router, isolation=isolation, timeout_s=0.5, num_workers=1) as runner:
+        score(runner, ["ok"], ["a"])  # start the worker before timing
+        start = time.monotonic()
+        result = score(runner, ["sleepy", "sleepy", "ok"], ["hang", "fast", "a"])
+        elapsed = time.monotonic() - start
+        assert elapsed < 5.0, f"a stuck scorer stalled the runner for {elapsed:.1f}s"
+        assert result.scores == [0.0, 1.0, 1.0] and (result.num_timeouts, result.num_errors) == (1, 0)
+        assert "no result within 0.5s" in result.errors[0]
+        assert score(runner, ["ok"], ["a"]).scores == [1.0]  # the replacement worker keeps serving
+    assert runner.num_abandoned_threads == (1 if isolation == "thread" else 0)
+
+
+def test_process_worker_that_dies_is_counted_and_replaced(router):
+    with RewardRunner(router, isolation="process", num_workers=1) as runner:
+        result = score(runner, ["die", "ok"], ["x", "a"])
+    assert result.scores == [0.0, 1.0] and result.num_errors == 1 and "worker died" in result.errors[0]
+
+
+def test_unknown_source_and_bad_settings(router):
+    runner = RewardRunner(router)
+    with pytest.raises(RewardError, match="no reward scorer for data_source 'trivia'"):
+        score(runner, ["trivia"], ["a"])
+    with pytest.raises(RewardError, match="isolation"):
+        RewardRunner(router, isolation="fiber")
+    assert score(runner, [], []).scores == []
