@@ -61,7 +61,7 @@ def run_hf(model, args, batch: int, new: int) -> tuple[float, float]:
     return total, first
 
 
-def bench(args, ceilings: dict) -> list[dict]:
+def bench(args, ceilings: dict, save) -> list[dict]:
     rows = []
     dtype = getattr(torch, args.dtype)
     for shape in args.shapes.split(","):
@@ -83,6 +83,7 @@ def bench(args, ceilings: dict) -> list[dict]:
                                achieved_GBps=nbytes / decode_s / 1e9)
                     row["roofline_frac"] = row["roofline_s"] / decode_s
                     rows.append(row)
+                    save(rows)
                     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
             del eng
             gc.collect()
@@ -174,8 +175,8 @@ def main() -> None:
     result["ceilings"] = ceilings = {"copy_Bps": copy_bandwidth(args.device) if on_gpu else 50e9,
                                      "matmul_tflops": matmul_tflops(args.device) if on_gpu else 1.0}
     print("ceilings", ceilings, flush=True)
-    result["rows"] = rows = bench(args, ceilings)
-    write_json(out / f"decode_{args.engines.replace(',', '_')}.json", result)
+    path = out / f"decode_{args.engines.replace(',', '_')}.json"
+    rows = bench(args, ceilings, lambda r: write_json(path, {**result, "rows": r}))  # saved row by row
     print_table(rows, ["shape", "engine", "batch", "new_tokens", "tokens_per_s", "step_ms", "roofline_frac",
                        "achieved_GBps", "compute_floor_s", "roofline_s", "decode_s"])
 

@@ -89,9 +89,9 @@ def main() -> None:
                 row.update(mfu=row["tflops"] / peak, of_matmul=row["tflops"] / measured)
             rows.append(row)
             print(row, flush=True)
-    result = dict(info=info, peak_bf16_dense_tflops=peak, measured_matmul_tflops=measured,
-                  precision="fp32 master params + bf16 autocast, fused AdamW", rows=rows)
-    write_json(out_dir(args.out) / "train_update.json", result)
+            write_json(out_dir(args.out) / "train_update.json", dict(  # saved row by row
+                info=info, peak_bf16_dense_tflops=peak, measured_matmul_tflops=measured,
+                precision="fp32 master params + bf16 autocast, fused AdamW", rows=rows))
     print(f"peak {peak} TFLOP/s (datasheet, dense bf16); measured 8192^3 bf16 matmul {measured:.0f} TFLOP/s")
     print_table(rows, ["shape", "micro_batch", "seq", "tokens_per_s", "step_s", "tflops", "mfu", "of_matmul",
                        "peak_mem_gib"])

@@ -113,28 +113,22 @@ def check_visibility_env(probes: list[NodeProbe]) -> CheckResult:
 
 
 def check_placement(plan: Any, nodes: list[NodeInfo]) -> CheckResult:
-    """Greedy fit of every pool (nodes × bundles_per_node × bundle) onto the nodes' total resources."""
-    free = {n.ip: dict(n.resources) for n in nodes}
-    pools = sorted(plan.pools.items(), key=lambda kv: -_demand_size(kv[1]))
-    problems, placed = [], []
-    for name, pool in pools:
-        need = {k: v * pool.bundles_per_node for k, v in pool.bundle.items() if v}
-        hosts = sorted((ip for ip, f in free.items() if all(f.get(k, 0.0) + 1e-9 >= v for k, v in need.items())),
-                       key=lambda ip: sum(free[ip].get(k, 0.0) for k in need))  # tightest first
-        if len(hosts) < pool.nodes:
-            have = "; ".join(f"{ip}: {_fmt(f)}" for ip, f in free.items())
-            problems.append(f"pool {name!r} needs {pool.nodes} node(s) × {_fmt(need)} but {len(hosts)} node(s) "
-                            f"can host that (free: {have})")
-            continue
-        for ip in hosts[:pool.nodes]:
-            for k, v in need.items():
-                free[ip][k] -= v
-        placed.append(f"{name}: {pool.nodes}×{pool.bundles_per_node} bundles")
-    if problems:
-        return CheckResult("placement", False, "; ".join(problems),
-                           "lower cluster.pools.<pool>.nodes / workers_per_node / gpus_per_worker, or add "
-                           "nodes with `fleetrl cluster up --address HEAD:PORT`")
-    return CheckResult("placement", True, ", ".join(placed) or "no pools")
+    """The run's pools against the nodes' capacity, by the same feasibility check the trainer runs before it
+    creates placement groups (against capacity here, not what is free: a run may already be using it)."""
+    from fleetrl.cluster.placement import NodeResources, PlacementError, check_feasible
+
+    capacity = []
+    for n in nodes:
+        total = {k: v for k, v in n.resources.items() if not k.startswith("node:")}
+        capacity.append(NodeResources(n.node_id, n.ip, total, dict(total)))
+    try:
+        check_feasible(list(plan.pools.values()), capacity)
+    except PlacementError as e:
+        return CheckResult("placement", False, str(e),
+                           "lower cluster.pools.<pool>.nodes / workers_per_node / gpus_per_worker, or add nodes "
+                           "with `fleetrl cluster up --address HEAD:PORT`")
+    return CheckResult("placement", True, ", ".join(f"{name}: {p.nodes}×{p.bundles_per_node} bundles"
+                                                    for name, p in plan.pools.items()) or "no pools")
 
 
 def check_shared_fs(path: Path, probes: list[NodeProbe], seen_by_head: set[str]) -> CheckResult:
@@ -434,12 +428,3 @@ def _unreachable(ip: str, port: int) -> str | None:
             return None
     except OSError as e:
         return f"{ip}:{port} ({e.strerror or e})"
-
-
-def _demand_size(pool: Any) -> float:
-    return pool.nodes * pool.bundles_per_node * (pool.bundle.get("GPU", 0) * 1e6 + pool.bundle.get("CPU", 0))
-
-
-def _fmt(res: Mapping[str, float]) -> str:
-    shown = {k: v for k, v in res.items() if k in ("GPU", "CPU", "memory") and v}
-    return ", ".join(f"{v / GB:.0f} GB memory" if k == "memory" else f"{v:g} {k}" for k, v in shown.items()) or "nothing"

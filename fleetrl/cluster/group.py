@@ -7,6 +7,7 @@ the master address for the pool's process group.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -92,7 +93,7 @@ class WorkerGroup:
         if self.backend == "local":
             return refs
         try:
-            return ray.get(refs, timeout=timeout)
+            return _get_fail_fast(refs, timeout)
         except ray.exceptions.GetTimeoutError as e:
             raise TimeoutError(f"pool '{self.pool.name}': workers did not answer within {timeout}s "
                                f"(raise cluster.init_timeout_s if models are large)") from e
@@ -118,6 +119,20 @@ class WorkerGroup:
                 ray.util.remove_placement_group(self.pg)
             except Exception:
                 pass
+
+
+def _get_fail_fast(refs: list[Any], timeout: float | None) -> list[Any]:
+    """Like ray.get(refs), but raises as soon as ANY call fails: when one rank dies, the others may block in a
+    collective until its timeout, and ray.get would wait on them first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = list(refs)
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            raise ray.exceptions.GetTimeoutError(f"{len(pending)} call(s) still running")
+        ray.get(ready)  # raises the worker's error now
+    return ray.get(refs)
 
 
 def order_for_dp(batch: Batch, num_mini: int, world: int) -> tuple[list[Batch], list[np.ndarray]]:

@@ -259,7 +259,8 @@ def block_until_exit(state_file: Path | None = None, *, poll_s: float = 5.0, hea
             if state.role == "worker":
                 misses = 0 if _port_open(host, int(port)) else misses + 1
                 if misses >= head_gone_polls:
-                    raise KeyboardInterrupt
+                    cluster_down(state_file, grace_s=3.0)  # short: draining needs the GCS that just left
+                    return 0
         cluster_down(state_file)
         return 1
     except KeyboardInterrupt:
@@ -278,7 +279,7 @@ def read_state(state_file: Path) -> ClusterState | None:
 def _launch(decision: RoleDecision, opts: UpOptions, node_ip: str, token: auth.ClusterToken,
             extra_env: dict[str, str], state_file: Path, env: Mapping[str, str], console: Console) -> ClusterState:
     address = f"{node_ip if decision.is_head else decision.head_host}:{decision.port}"
-    cmd = _ray_start_command(decision, opts, node_ip, address)
+    cmd = ray_start_command(decision, opts, node_ip, address)
     proc_env = {**env, **extra_env, "RAY_USAGE_STATS_ENABLED": "0"}
     auth.apply_token_env(proc_env, token)
     state_file.parent.mkdir(parents=True, exist_ok=True)
@@ -297,7 +298,7 @@ def _launch(decision: RoleDecision, opts: UpOptions, node_ip: str, token: auth.C
     return state
 
 
-def _ray_start_command(decision: RoleDecision, opts: UpOptions, node_ip: str, address: str) -> list[str]:
+def ray_start_command(decision: RoleDecision, opts: UpOptions, node_ip: str, address: str) -> list[str]:
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
            "--node-ip-address", node_ip]
     if decision.is_head:

@@ -44,6 +44,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         value = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from e
+    if isinstance(value, dict) and len(value) == 1 and None in value.values() and text.rstrip().endswith(":"):
+        value = text.strip()  # `model.path=tiny:` means the string "tiny:", not the mapping {tiny: null}
     node = raw
     parts = key.strip().split(".")
     for part in parts[:-1]:

@@ -153,9 +153,20 @@ class TrainerConfig:
     name: str = "run"
     output_dir: str | None = None
     """Default runs/<name>-<timestamp>."""
+    keep_last: int = 3
+    """Checkpoints kept (older ones deleted), 0 = keep all."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0 = off)."""
+    export_every: int = 0
+    """Write a Hugging Face model folder every N steps under OUT/hf/step_N (0 = off)."""
     resume: str = "never"
     """auto | never | PATH."""
     max_restarts: int = 0
+    """Automatic recoveries from a lost worker/node before the run gives up."""
+    restart_wait_s: float = 120.0
+    """How long a recovery waits for the cluster to have room for the plan again."""
+    on_nonfinite: str = "skip"
+    """skip | abort: what a NaN/inf loss or gradient does to the update."""
 
 
 @dataclass(frozen=True, kw_only=True)

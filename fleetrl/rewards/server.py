@@ -141,10 +141,11 @@ def _handler_for(server: RewardServer) -> type[BaseHTTPRequestHandler]:
             except (ValueError, UnicodeDecodeError) as e:
                 return self._reply(400, {"error": f"bad request: {e}"})
             try:
-                self._reply(200, server.score(batch))
+                scored = server.score(batch)
             except Exception as e:  # the runner counts scorer failures; this is anything else
                 log.exception("scoring failed")
-                self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+                return self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+            self._reply(200, scored)
 
         def _authorized(self) -> bool:
             token = server.opts.token
@@ -161,13 +162,17 @@ def _handler_for(server: RewardServer) -> type[BaseHTTPRequestHandler]:
             data = json.dumps(body).encode()
             if status != 200:
                 self.close_connection = True  # a body we refused to read must not be parsed as a request
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client timed out and left; nothing to tell
+                self.close_connection = True
+                log.debug("client %s left before the reply", self.address_string())
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
             log.debug("%s " + format, self.address_string(), *args)

@@ -35,10 +35,20 @@ def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
     tracker.console.print(f"[bold]fleetrl[/] run directory: {out}")
     started = ensure_ray(cfg.cluster)
     try:
-        return Supervisor(plan, tracker, out).run()
+        last = Supervisor(plan, tracker, out).run()
+        _summary(tracker, out)
+        return last
     finally:
         tracker.close()
         if started:
             import ray
 
             ray.shutdown()
+
+
+def _summary(tracker: Tracker, out: Path) -> None:
+    vals = [(r["step"], r["val/reward_mean"]) for r in tracker.history if "val/reward_mean" in r]
+    if vals:
+        (s0, v0), (s1, v1) = vals[0], vals[-1]
+        tracker.console.print(f"[bold]validation reward[/]: {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})")
+    tracker.console.print(f"metrics: {out / 'metrics.jsonl'}   tensorboard: {out / 'tensorboard'}")

@@ -28,8 +28,9 @@ log = logging.getLogger("fleetrl.trainer")
 
 
 class Trainer:
-    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path) -> None:
+    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, resume: str | None = None) -> None:
         self.plan, self.cfg, self.tracker, self.out_dir = plan, plan.config, tracker, out_dir
+        self.resume = resume or self.cfg.trainer.resume
         self.train_feed = PromptFeed.for_train(self.cfg)
         self.val_feed = PromptFeed.for_val(self.cfg)
         self.scorer = RewardScorer(self.cfg, self.train_feed.tokenizer)
@@ -44,6 +45,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         self.build_groups()
+        self.maybe_resume()
         total = self.total_steps()
         last: dict[str, float] = {}
         if self.val_feed and self.cfg.trainer.val_before_train and self.step == 0:
@@ -58,6 +60,7 @@ class Trainer:
             batch = self.values(batch)
             batch = self.advantages(batch)
             metrics = self.update(batch)
+            self.check_finite(metrics)
             self.sync()
             self.step += 1
             metrics.update(rollout_metrics(batch, self.timings, time.perf_counter() - t0, self.cfg))
@@ -161,12 +164,41 @@ class Trainer:
                                   self.cfg.cluster.init_timeout_s)
 
     def checkpoint(self) -> None:
-        every = self.cfg.trainer.save_every
-        if every and self.step % every == 0:
+        t = self.cfg.trainer
+        if t.save_every and self.step % t.save_every == 0:
             with self._timed("checkpoint"):
                 from fleetrl.checkpoint.manager import save_checkpoint
 
-                save_checkpoint(self)
+                path = save_checkpoint(self)
+                if t.export_every and self.step % t.export_every == 0:
+                    from fleetrl.checkpoint.export import export_hf
+
+                    export_hf(path, self.out_dir / "hf" / f"step_{self.step}")
+
+    def maybe_resume(self) -> None:
+        from fleetrl.checkpoint.manager import find_resume, load_checkpoint
+
+        path = find_resume(self.out_dir, self.resume)
+        if path is None:
+            return
+        load_checkpoint(self, path)
+        if self.plan.roles["rollout"] != self.plan.roles["actor"]:
+            from fleetrl.cluster.weight_sync import broadcast_weights
+
+            broadcast_weights(self.group("actor"), self.group("rollout"), self.weights_version,
+                              self.cfg.cluster.init_timeout_s)
+        else:
+            self.group("rollout").call_all(Worker.mark_weights_version, self.weights_version)
+
+    def check_finite(self, metrics: dict[str, float]) -> None:
+        """A NaN/inf loss or gradient skips that optimiser step (the engine did) and is logged as an event."""
+        skipped = {k: v for k, v in metrics.items() if k.endswith("skipped_updates") and v > 0}
+        if not skipped:
+            return
+        self.tracker.event(self.step, "nonfinite_update_skipped", **skipped)
+        if self.cfg.trainer.on_nonfinite == "abort":
+            raise FloatingPointError(f"step {self.step}: non-finite loss or gradient ({skipped}); "
+                                     f"set trainer.on_nonfinite=skip to skip such updates instead")
 
     def validate(self) -> dict[str, float]:
         with self._timed("validate"):

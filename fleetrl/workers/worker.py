@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from datetime import timedelta
 
 import torch
@@ -124,6 +125,28 @@ class Worker:
 
     def weights_version(self) -> int:
         return self._need("rollout").engine.weights_version
+
+    # ------------------------------------------------------------------ checkpoints
+    def _engines(self) -> dict:
+        return {r: getattr(self, r).engine for r in ("actor", "critic") if getattr(self, r) is not None}
+
+    def save_state(self, ckpt_dir: str) -> None:
+        from fleetrl.workers.state import save_extras, save_trainable
+
+        root = Path(ckpt_dir)
+        for role, engine in self._engines().items():
+            save_trainable(root / role, engine, self.ctx.rank)
+        save_extras(root / "workers" / f"{self.ctx.pool}_r{self.ctx.rank}.pt", self._engines())
+        if dist.is_initialized():
+            dist.barrier()  # rank 0's unsharded write must finish before anyone reports success
+
+    def load_state(self, ckpt_dir: str) -> None:
+        from fleetrl.workers.state import load_extras, load_trainable
+
+        root = Path(ckpt_dir)
+        for role, engine in self._engines().items():
+            load_trainable(root / role, engine)
+        load_extras(root / "workers" / f"{self.ctx.pool}_r{self.ctx.rank}.pt", self._engines())
 
     def model_state(self, role: str) -> dict[str, torch.Tensor]:
         comp = self._need(role)

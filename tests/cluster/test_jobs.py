@@ -110,12 +110,13 @@ def test_submit_runs_fleetrl_train_on_the_cluster(head):
 
 
 def test_logs_follow_streams_until_the_job_ends(head):
-    job_id = jobs.submit_entrypoint(head["url"], "echo hello-from-job", working_dir=head["workdir"],
-                                    token=head["token"])
+    # The job's driver joins the token-protected cluster with no setup: it inherits the raylet's auth env.
+    entrypoint = "python -c 'import ray; ray.init(); print(\"hello-from-job\", len(ray.nodes()))'"
+    job_id = jobs.submit_entrypoint(head["url"], entrypoint, working_dir=head["workdir"], token=head["token"])
     result = _cli("jobs", "logs", job_id, "-f", "--address", head["url"], "--token-file",
                   str(head["root"] / "token"))
     assert result.exit_code == 0, result.output
-    assert "hello-from-job" in result.output
+    assert "hello-from-job 1" in result.output
     assert _wait(head, job_id, TERMINAL).status == "SUCCEEDED"
 
 

@@ -58,14 +58,17 @@ def cluster():
             while not (root / "token").exists():  # the head writes the token before starting Ray
                 assert time.monotonic() < deadline and head.poll() is None, head.communicate()[0]
                 time.sleep(0.1)
-            # The worker's role comes from torchrun-style variables, not flags.
-            worker = b.run(CLI + ["cluster", "up", "--port", str(PORT), "--join-timeout", "60",
-                                  *_common(root, "worker", b)],
-                           env={**env, "NODE_RANK": "1", "MASTER_ADDR": a.ip}, timeout=120,
-                           private_tmpfs=str(root / "private"))
+            # The worker's role comes from torchrun-style variables, not flags; --block keeps it in the
+            # foreground (as under srun) until the head goes away.
+            worker_log = open(root / "worker.out", "w")
+            worker = b.popen(CLI + ["cluster", "up", "--port", str(PORT), "--join-timeout", "60", "--block",
+                                    *_common(root, "worker", b)],
+                             env={**env, "NODE_RANK": "1", "MASTER_ADDR": a.ip}, private_tmpfs=str(root / "private"),
+                             stdout=worker_log, stderr=subprocess.STDOUT)
             head_out, _ = head.communicate(timeout=120)
             yield {"a": a, "b": b, "root": root, "env": env, "head_rc": head.returncode, "head_out": head_out,
                    "worker": worker}
+            worker_log.close()
         finally:
             for name in ("worker", "head"):
                 subprocess.run(CLI + ["cluster", "down", "--state-file", str(root / f"{name}.json")], env=env,
@@ -89,19 +92,45 @@ def test_worker_without_token_fails_fast(tmp_path):
     assert not (tmp_path / "s.json").exists()
 
 
+def test_wait_for_port_backs_off_until_the_head_listens():
+    import socket
+    import threading
+
+    from fleetrl.cluster.up import wait_for_port
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = socket.socket()
+    opener = threading.Timer(1.0, lambda: (server.bind(("127.0.0.1", port)), server.listen()))
+    opener.start()
+    try:
+        start = time.monotonic()
+        wait_for_port("127.0.0.1", port, timeout_s=20, first_delay_s=0.1)
+        assert 1.0 <= time.monotonic() - start < 5
+    finally:
+        opener.join()
+        server.close()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"127.0.0.1:{port} did not accept connections within 1s"):
+        wait_for_port("127.0.0.1", port, timeout_s=1.0, first_delay_s=0.1)
+    assert time.monotonic() - start < 3
+
+
 @pytest.mark.netns
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_worker_joins_from_env_and_head_wait_returns(cluster):
-    worker, root = cluster["worker"], cluster["root"]
+    root = cluster["root"]
     token = (root / "token").read_text().strip()
-    assert worker.returncode == 0, worker.stdout + worker.stderr
-    assert "role from torchrun" in worker.stderr
     assert cluster["head_rc"] == 0, cluster["head_out"]
+    worker_out = (root / "worker.out").read_text()
+    assert cluster["worker"].poll() is None, worker_out  # still blocking, as under srun
+    assert f"joined {cluster['a'].ip}:{PORT} as worker {cluster['b'].ip} (role from torchrun)" in worker_out
     head_out = cluster["head_out"]
     assert "2/2" in head_out  # the progress line reached both nodes
     assert f"fleetrl cluster up --address {cluster['a'].ip}:{PORT} --token-file {root / 'token'}" in head_out
     assert f"token {token[:4]}…" in head_out
-    assert token not in head_out + worker.stdout + worker.stderr  # never printed in full
+    assert token not in head_out + worker_out  # never printed in full
 
 
 @pytest.mark.netns
@@ -160,23 +189,25 @@ def test_doctor_fails_with_fix_when_checkpoint_path_not_shared(cluster):
 
 @pytest.mark.netns
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
-def test_down_stops_only_what_up_started(cluster):
-    root, env = cluster["root"], cluster["env"]
+def test_status_then_down_stops_only_what_up_started_and_releases_the_worker(cluster):
+    a, b, root, env = cluster["a"], cluster["b"], cluster["root"], cluster["env"]
     from fleetrl.cluster.up import read_state
 
-    worker_state = read_state(root / "worker.json")
-    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)  # another process group: untouched
+    status = a.run(CLI + ["cluster", "status", "--state-file", str(root / "head.json")], env=env, timeout=60)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert f"head of {a.ip}:{PORT}" in status.stdout and a.ip in status.stdout and b.ip in status.stdout
+    head_state, worker_state = read_state(root / "head.json"), read_state(root / "worker.json")
+    bystander = subprocess.Popen(["sleep", "120"], start_new_session=True)  # another process group
     try:
-        done = subprocess.run(CLI + ["cluster", "down", "--state-file", str(root / "worker.json")], env=env,
+        done = subprocess.run(CLI + ["cluster", "down", "--state-file", str(root / "head.json")], env=env,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
-        assert f"stopped worker (pid {worker_state.pid})" in done.stdout
-        assert netns.live_group_members(worker_state.pid) == []
-        assert not (root / "worker.json").exists()
+        assert f"stopped head (pid {head_state.pid})" in done.stdout
+        assert netns.live_group_members(head_state.pid) == [] and not (root / "head.json").exists()
         assert bystander.poll() is None
-        status = cluster["a"].run(CLI + ["cluster", "status", "--state-file", str(root / "head.json")], env=env,
-                                  timeout=60)
-        assert "head of" in status.stdout and "running" in status.stdout, status.stdout + status.stderr
+        # The blocking worker notices the head is gone, stops its own Ray and exits 0 (the srun step ends).
+        assert cluster["worker"].wait(timeout=60) == 0, (root / "worker.out").read_text()
+        assert netns.live_group_members(worker_state.pid) == [] and not (root / "worker.json").exists()
     finally:
         bystander.kill()
         bystander.wait()

@@ -10,7 +10,7 @@ from fleetrl.workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 
-OVERRIDES = ["data.prompts_per_step=8", "rollout.n=4", "algorithm.mini_batch_prompts=4", "algorithm.micro_batch_size=4",
+OVERRIDES = ["data.prompts_per_step=8", "rollout.n=4", "algorithm.mini_batch_prompts=4", "algorithm.micro_batch_size=4", "model.path=tiny:",
              "algorithm.ppo_epochs=2", "actor.optim.lr=0.001", "critic.optim.lr=0.001",
              "cluster.pools.main.cpus_per_worker=0.5", "tracking.console=false", "tracking.progress=false"]
 

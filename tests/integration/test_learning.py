@@ -6,7 +6,7 @@ from tests.integration.helpers import train_run, val_curve
 
 pytestmark = pytest.mark.slow
 
-COMMON = ("trainer.total_steps=100", "trainer.val_every=25", "data.prompts_per_step=32")
+COMMON = ("trainer.total_steps=100", "trainer.val_every=25")
 
 CASES = {
     "grpo": ("examples/quickstart.yaml", COMMON),

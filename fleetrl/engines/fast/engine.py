@@ -224,6 +224,10 @@ class FastRolloutEngine:
         buf = self._buf
         logits = self._fwd.decode(buf.k, buf.v, buf.tokens[:nb], buf.pos[:nb], kv_len)
         tok, lp = sample(logits, key, buf.temperature, buf.seed, buf.req[:nb], buf.count[:nb], self.kernels)
+        if self.kernels is not None:
+            self.kernels.step_update(tok, lp, buf.done[:nb], buf.count[:nb], buf.limit[:nb], buf.pos[:nb],
+                                     buf.tokens[:nb], buf.out_tok[:nb], buf.out_lp[:nb], buf.stop_ids)
+            return
         was_done = buf.done[:nb].clone()
         live = (~was_done).long()
         col = torch.where(was_done, buf.junk_col, buf.count[:nb])[:, None]
@@ -282,4 +286,4 @@ def _load_kernels(choice: str, device: torch.device, spec: DecoderSpec, dtype: t
         if choice == "triton":
             raise ValueError(f"the Triton kernels need a power-of-two head_dim >= 16, got {spec.head_dim}")
         return None
-    return TritonKernels()
+    return TritonKernels(device)

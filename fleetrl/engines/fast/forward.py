@@ -43,6 +43,9 @@ class DecoderForward:
         self.kernels = kernels
         self.scale = spec.head_dim ** -0.5
         self.cos, self.sin = rope_tables(model, max_seq_len, dtype, device)
+        # Decode GEMMs at batch <= 256 fill a fraction of the SMs; k/v (and up) run beside q (and gate) on a
+        # second stream, which the CUDA graph captures as parallel branches.
+        self._side = torch.cuda.Stream(device) if kernels is not None and device.type == "cuda" else None
 
     def weights(self) -> ModelWeights:
         return model_weights(self.model)
@@ -116,10 +119,32 @@ class DecoderForward:
         delta = None
         for layer, lw in enumerate(w.layers):
             kn.add_rmsnorm(x, delta, lw.ln1, s.rms_eps, h)
-            q, k, v = F.linear(h, lw.wq, lw.bq), F.linear(h, lw.wk, lw.bk), F.linear(h, lw.wv, lw.bv)
+            q, k, v = self._linears(h, (lw.wq, lw.bq), (lw.wk, lw.bk), (lw.wv, lw.bv))
             kn.rope_cache_write(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s)
             o = kn.decode_attention(q, k_cache[layer], v_cache[layer], pos, s, self.scale)
             kn.add_rmsnorm(x, F.linear(o, lw.wo, lw.bo), lw.ln2, s.rms_eps, h)
-            delta = F.linear(kn.silu_mul(F.linear(h, lw.wg, lw.bg), F.linear(h, lw.wu, lw.bu)), lw.wd, lw.bd)
+            gate, up = self._linears(h, (lw.wg, lw.bg), (lw.wu, lw.bu))
+            delta = F.linear(kn.silu_mul(gate, up), lw.wd, lw.bd)
         kn.add_rmsnorm(x, delta, w.norm, s.rms_eps, h)
         return F.linear(h, w.lm_head)
+
+    def _linears(self, h: torch.Tensor, *wb: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
+        """[h @ w.T + b for each (w, b)]; all but the first on the side stream when there is one."""
+        if self._side is None:
+            return [F.linear(h, w, b) for w, b in wb]
+        outs = [h.new_empty(h.shape[0], w.shape[0]) for w, _ in wb]  # allocated on the main stream
+        main = torch.cuda.current_stream()
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            for (w, b), out in zip(wb[1:], outs[1:]):
+                _linear_into(h, w, b, out)
+        _linear_into(h, *wb[0], outs[0])
+        main.wait_stream(self._side)
+        return outs
+
+
+def _linear_into(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> None:
+    if b is None:
+        torch.mm(h, w.t(), out=out)
+    else:
+        torch.addmm(b, h, w.t(), out=out)

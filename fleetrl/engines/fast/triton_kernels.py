@@ -9,8 +9,10 @@ layer to ~13 launches, and the attention kernel reads each slot's KV only up to 
   decode_attention  split-K "flash-decoding" (Dao et al., 2023, https://crfm.stanford.edu/2023/10/12/flashdecoding.html):
                     grid (slot x kv_head, split); the G query heads of one KV head are the rows of one tile,
                     so K/V are read once per KV head (GQA); a second kernel merges the splits' softmax states
+                    (skipped when the batch alone fills the GPU and one split covers the cache)
   silu_mul          silu(gate) * up
   sample            temperature + Gumbel-max argmax + log-sum-exp in one pass over the logits, then a merge
+  step_update       append the sampled token, advance positions, update done flags (one launch)
 """
 from __future__ import annotations
 
@@ -73,8 +75,8 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, v
 
 
 @triton.jit
-def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, s_slot, s_head, s_pos,
-                        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out_ptr, scale, s_slot, s_head,
+                        s_pos, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                         D: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                         IEEE: tl.constexpr):
     pid = tl.program_id(0)
@@ -114,10 +116,15 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, sca
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    row = (b * H + heads) * NSPLIT + split
-    tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-    tl.store(m_ptr + row, m_i, mask=gmask)
-    tl.store(l_ptr + row, l_i, mask=gmask)
+    if NSPLIT == 1:  # one program saw the whole sequence: finish here, no merge kernel
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * H * D + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=gmask[:, None])
+    else:
+        row = (b * H + heads) * NSPLIT + split
+        tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+        tl.store(m_ptr + row, m_i, mask=gmask)
+        tl.store(l_ptr + row, l_i, mask=gmask)
 
 
 @triton.jit
@@ -188,12 +195,39 @@ def _sample_merge_kernel(x_ptr, stride, temp_ptr, kmax_ptr, kidx_ptr, bmax_ptr, 
     tl.store(lp_ptr + row, z_tok - lse)
 
 
+@triton.jit
+def _step_update_kernel(tok_ptr, lp_ptr, done_ptr, count_ptr, limit_ptr, pos_ptr, tokens_ptr, out_tok_ptr,
+                        out_lp_ptr, stop_ptr, n, out_stride, N_STOP: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = r < n
+    tok = tl.load(tok_ptr + r, mask=m, other=0)
+    done = tl.load(done_ptr + r, mask=m, other=1).to(tl.int32)
+    cnt = tl.load(count_ptr + r, mask=m, other=0)
+    live = m & (done == 0)
+    dst = r.to(tl.int64) * out_stride + cnt
+    tl.store(out_tok_ptr + dst, tok, mask=live)
+    tl.store(out_lp_ptr + dst, tl.load(lp_ptr + r, mask=m, other=0.0), mask=live)
+    cnt = cnt + live.to(tl.int64)
+    tl.store(count_ptr + r, cnt, mask=m)
+    tl.store(pos_ptr + r, tl.load(pos_ptr + r, mask=m, other=0) + live.to(tl.int64), mask=m)
+    tl.store(tokens_ptr + r, tok, mask=m)
+    stops = tl.load(stop_ptr + tl.arange(0, N_STOP))
+    hit = tl.max((tok[:, None] == stops[None, :]).to(tl.int32), 1)
+    limit = tl.load(limit_ptr + r, mask=m, other=1)
+    new_done = (done != 0) | (hit != 0) | (cnt >= limit)
+    tl.store(done_ptr + r, new_done, mask=m)
+
+
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
 class TritonKernels:
     """Thin launchers; every output is allocated here (inside a CUDA graph it comes from the graph's pool)."""
+
+    def __init__(self, device: torch.device) -> None:
+        on_gpu = device.type == "cuda"
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 4
 
     @staticmethod
     def supports(spec: DecoderSpec, dtype: torch.dtype) -> bool:
@@ -213,21 +247,29 @@ class TritonKernels:
                                           H=spec.num_heads, KVH=spec.num_kv_heads, H_PAD=_pow2(spec.num_heads),
                                           KVH_PAD=_pow2(spec.num_kv_heads), HALF=spec.head_dim // 2, num_warps=2)
 
+    def attention_splits(self, nb: int, kv_heads: int, max_len: int) -> tuple[int, int]:
+        """(splits, positions per split): split the cache span only as much as needed to give every SM about
+        two programs; at large batch that is one split, and the merge kernel is skipped."""
+        nsplit = max(1, min(triton.cdiv(max_len, ATTN_SPLIT), triton.cdiv(2 * self.num_sms, nb * kv_heads)))
+        split = triton.cdiv(triton.cdiv(max_len, nsplit), ATTN_BLOCK_N) * ATTN_BLOCK_N
+        return triton.cdiv(max_len, split), split
+
     def decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
                          spec: DecoderSpec, scale: float) -> torch.Tensor:
         nb, max_len = q.shape[0], kc.shape[2]
-        nsplit = triton.cdiv(max_len, ATTN_SPLIT)
+        nsplit, split = self.attention_splits(nb, spec.num_kv_heads, max_len)
         parts = torch.empty(nb, spec.num_heads, nsplit, spec.head_dim, dtype=torch.float32, device=q.device)
         m = torch.empty(nb, spec.num_heads, nsplit, dtype=torch.float32, device=q.device)
         lsum = torch.empty_like(m)
-        _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
-            q, kc, vc, pos, parts, m, lsum, scale, kc.stride(0), kc.stride(1), kc.stride(2),
-            H=spec.num_heads, KVH=spec.num_kv_heads, G=spec.group, G_PAD=max(16, _pow2(spec.group)),
-            D=spec.head_dim, SPLIT=ATTN_SPLIT, NSPLIT=nsplit, BLOCK_N=ATTN_BLOCK_N,
-            IEEE=q.dtype == torch.float32, num_warps=4)
         out = torch.empty_like(q)
-        _decode_merge_kernel[(nb * spec.num_heads,)](parts, m, lsum, out, D=spec.head_dim, NSPLIT=nsplit,
-                                                    S_PAD=max(2, _pow2(nsplit)), num_warps=2)
+        _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
+            q, kc, vc, pos, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2),
+            H=spec.num_heads, KVH=spec.num_kv_heads, G=spec.group, G_PAD=max(16, _pow2(spec.group)),
+            D=spec.head_dim, SPLIT=split, NSPLIT=nsplit, BLOCK_N=ATTN_BLOCK_N,
+            IEEE=q.dtype == torch.float32, num_warps=4)
+        if nsplit > 1:
+            _decode_merge_kernel[(nb * spec.num_heads,)](parts, m, lsum, out, D=spec.head_dim, NSPLIT=nsplit,
+                                                        S_PAD=max(2, _pow2(nsplit)), num_warps=2)
         return out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -235,6 +277,15 @@ class TritonKernels:
         n = gate.numel()
         _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
         return out
+
+    def step_update(self, tok: torch.Tensor, lp: torch.Tensor, done: torch.Tensor, count: torch.Tensor,
+                    limit: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor, out_tok: torch.Tensor,
+                    out_lp: torch.Tensor, stop_ids: torch.Tensor) -> None:
+        """The decode step's bookkeeping (engine._step_torch) in one launch instead of ~16."""
+        n = tok.shape[0]
+        _step_update_kernel[(triton.cdiv(n, 256),)](tok, lp, done, count, limit, pos, tokens, out_tok, out_lp,
+                                                   stop_ids, n, out_tok.stride(0), N_STOP=stop_ids.shape[0],
+                                                   BLOCK=256, num_warps=4)
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, req: torch.Tensor,
                count: torch.Tensor, *, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:

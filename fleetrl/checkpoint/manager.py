@@ -1,0 +1,194 @@
+"""Checkpoints that resume exactly: written atomically, found again by `trainer.resume`.
+
+Layout of OUT/checkpoints/step_N/ (written as step_N.tmp/, renamed when complete; `latest` written last):
+  actor/, critic/        torch.distributed.checkpoint folders: {"model": ..., "optim": ...} by parameter name,
+                         so they load into any data-parallel size (sharded or not)
+  workers/POOL_rR.pt     per-worker extras: LR scheduler, RNG states (torch, numpy, python)
+  controller.pt          step, weights version, sampler position, KL controller, controller RNG
+  config.yaml            the run config (a changed config on resume is reported as a diff)
+  meta.json              step, model/tokenizer paths, dtype (what `fleetrl export` needs); written last
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fleetrl.config import dump_yaml
+
+if TYPE_CHECKING:
+    from fleetrl.trainer.trainer import Trainer
+
+log = logging.getLogger("fleetrl.checkpoint")
+COMPLETE_MARK = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_root(out_dir: Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def save_checkpoint(trainer: "Trainer") -> Path:
+    from fleetrl.workers.worker import Worker
+
+    root = checkpoint_root(trainer.out_dir)
+    final = root / f"step_{trainer.step}"
+    tmp = root / f"step_{trainer.step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "workers").mkdir(parents=True)
+    for name, group in trainer.groups.items():
+        group.call_all(Worker.save_state, str(tmp))
+    torch.save(controller_state(trainer), tmp / "controller.pt")
+    (tmp / "config.yaml").write_text(dump_yaml(trainer.cfg))
+    m = trainer.cfg.model
+    meta = {"step": trainer.step, "model_path": m.path, "tokenizer_path": m.tokenizer or m.path, "dtype": m.dtype,
+            "roles": sorted(trainer.plan.roles)}
+    (tmp / COMPLETE_MARK).write_text(json.dumps(meta, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)  # atomic on one filesystem: a crash leaves step_N.tmp, never a half step_N
+    _write_latest(root, final.name)
+    prune(root, trainer.cfg.trainer.keep_last, trainer.cfg.trainer.keep_every)
+    return final
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / "latest.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / "latest")
+
+
+def prune(root: Path, keep_last: int, keep_every: int) -> None:
+    steps = sorted(_steps(root))
+    if keep_last <= 0:
+        return
+    doomed = steps[:-keep_last]
+    for step in doomed:
+        if keep_every and step % keep_every == 0:
+            continue
+        shutil.rmtree(root / f"step_{step}", ignore_errors=True)
+
+
+def _steps(root: Path) -> list[int]:
+    out = []
+    for p in root.glob("step_*"):
+        if p.is_dir() and not p.name.endswith(".tmp") and p.name[5:].isdigit():
+            out.append(int(p.name[5:]))
+    return out
+
+
+def find_resume(out_dir: Path, resume: str) -> Path | None:
+    """`never` -> None; a PATH -> that checkpoint (validated); `auto` -> newest complete one, skipping broken."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        problem = validate_checkpoint(path)
+        if problem:
+            raise CheckpointError(f"trainer.resume={resume}: {problem}")
+        return path
+    root = checkpoint_root(out_dir)
+    for step in sorted(_steps(root), reverse=True):
+        path = root / f"step_{step}"
+        problem = validate_checkpoint(path)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def validate_checkpoint(path: Path) -> str | None:
+    """None when complete and readable; otherwise what is wrong."""
+    if not path.is_dir():
+        return "no such checkpoint directory"
+    if not (path / COMPLETE_MARK).is_file():
+        return f"incomplete (no {COMPLETE_MARK}; the save was interrupted)"
+    try:
+        torch.load(path / "controller.pt", weights_only=False)
+        for role_dir in ("actor", "critic"):
+            meta = path / role_dir / ".metadata"
+            if (path / role_dir).exists() and not meta.is_file():
+                return f"{role_dir}/ has no .metadata"
+        for f in list(path.glob("*/*.distcp")) + list((path / "workers").glob("*.pt")):
+            if f.stat().st_size == 0:
+                return f"{f.relative_to(path)} is empty (truncated)"
+        for f in (path / "workers").glob("*.pt"):
+            torch.load(f, weights_only=False)
+    except Exception as e:  # noqa: BLE001 — any unreadable file makes the checkpoint unusable
+        return f"unreadable ({type(e).__name__}: {e})"
+    return _check_distcp_sizes(path)
+
+
+def _check_distcp_sizes(path: Path) -> str | None:
+    """A truncated .distcp file is shorter than the byte ranges its .metadata promises."""
+    import pickle
+
+    for role_dir in ("actor", "critic"):
+        meta_file = path / role_dir / ".metadata"
+        if not meta_file.is_file():
+            continue
+        try:
+            with open(meta_file, "rb") as f:
+                meta = pickle.load(f)
+        except Exception as e:  # noqa: BLE001
+            return f"{role_dir}/.metadata unreadable ({e})"
+        ends: dict[str, int] = {}
+        for info in getattr(meta, "storage_data", {}).values():
+            rel = getattr(info, "relative_path", None)
+            if rel is not None:
+                ends[rel] = max(ends.get(rel, 0), info.offset + info.length)
+        for rel, end in ends.items():
+            f = path / role_dir / rel
+            if not f.is_file() or f.stat().st_size < end:
+                return f"{role_dir}/{rel} is truncated ({f.stat().st_size if f.is_file() else 0} < {end} bytes)"
+    return None
+
+
+def controller_state(trainer: "Trainer") -> dict[str, Any]:
+    return {
+        "step": trainer.step,
+        "weights_version": trainer.weights_version,
+        "sampler": trainer.train_feed.sampler.state_dict(),
+        "kl_ctl": trainer.kl_ctl.state_dict(),
+        "rng": rng_state(),
+    }
+
+
+def load_checkpoint(trainer: "Trainer", path: Path) -> None:
+    from fleetrl.workers.worker import Worker
+
+    state = torch.load(path / "controller.pt", weights_only=False)
+    saved_cfg = (path / "config.yaml").read_text()
+    diff = list(difflib.unified_diff(saved_cfg.splitlines(), dump_yaml(trainer.cfg).splitlines(),
+                                     "checkpoint config", "current config", lineterm="", n=0))
+    if diff:
+        trainer.tracker.event(state["step"], "config_changed_on_resume", diff="\n".join(diff[2:]))
+    for group in trainer.groups.values():
+        group.call_all(Worker.load_state, str(path))
+    trainer.step = state["step"]
+    trainer.weights_version = state["weights_version"]
+    trainer.train_feed.sampler.load_state_dict(state["sampler"])
+    trainer.kl_ctl.load_state_dict(state["kl_ctl"])
+    set_rng_state(state["rng"])
+    trainer.tracker.event(trainer.step, "resumed", path=str(path))
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])

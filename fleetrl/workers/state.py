@@ -1,0 +1,53 @@
+"""A worker's share of a checkpoint: model + optimiser through torch.distributed.checkpoint (by parameter
+name, so any data-parallel size can load it), and a small per-worker file of scheduler and RNG states."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from fleetrl.engines.training import TrainingEngine
+
+
+def save_trainable(path: Path, engine: TrainingEngine, rank: int) -> None:
+    """Unsharded: every rank holds the same full state, so rank 0 writes it alone (no collective).
+    Sharded (FSDP2): every rank writes its shards collectively."""
+    if not engine.sharded and rank != 0:
+        return
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=StateDictOptions())
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=not engine.sharded)
+
+
+def load_trainable(path: Path, engine: TrainingEngine) -> None:
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=StateDictOptions())
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path), no_dist=not engine.sharded)
+    set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def save_extras(path: Path, engines: dict[str, TrainingEngine]) -> None:
+    torch.save({"schedulers": {r: e.scheduler.state_dict() for r, e in engines.items()},
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                        "torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}, path)
+
+
+def load_extras(path: Path, engines: dict[str, TrainingEngine]) -> None:
+    """A different world size on resume has no file for new ranks: they keep their fresh seeded RNG."""
+    if not path.is_file():
+        return
+    state = torch.load(path, weights_only=False)
+    for role, engine in engines.items():
+        if role in state["schedulers"]:
+            engine.scheduler.load_state_dict(state["schedulers"][role])
+    rng = state["rng"]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])

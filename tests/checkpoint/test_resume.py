@@ -1,0 +1,88 @@
+"""Resume is exact: 6 steps straight == 3 + resume + 3 (bitwise weights, identical metrics for steps 4-6);
+a DP=2 checkpoint resumes at DP=1; a truncated checkpoint is skipped with a warning."""
+import logging
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fleetrl.checkpoint.manager import find_resume
+from tests.integration.helpers import read_metrics, train_run
+
+pytestmark = pytest.mark.slow
+BASE = ("model.path=tiny:", "data.prompts_per_step=8", "rollout.n=4", "algorithm.mini_batch_prompts=4",
+        "algorithm.micro_batch_size=8", "algorithm.ppo_epochs=2", "trainer.val_every=3", "data.val_max_prompts=16",
+        "trainer.save_every=3", "trainer.keep_last=0")
+
+
+def _weights(ckpt, role):
+    reader = dcp.FileSystemReader(str(ckpt / role))
+    meta = reader.read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if k.startswith("model.") and hasattr(v, "size")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def _steps(records, lo, hi):
+    return [{k: v for k, v in r.items() if "/time/" not in k and "tokens_per_s" not in k}
+            for r in records if "event" not in r and lo <= r["step"] <= hi and any(k.startswith("train/") for k in r)]
+
+
+def test_exact_resume(tmp_path, ray_local):
+    straight = train_run("examples/ppo_tiny.yaml", tmp_path / "a", *BASE, "trainer.total_steps=6")
+    train_run("examples/ppo_tiny.yaml", tmp_path / "b", *BASE, "trainer.total_steps=3")
+    resumed = train_run("examples/ppo_tiny.yaml", tmp_path / "b", *BASE, "trainer.total_steps=6", "trainer.resume=auto")
+    assert any(r.get("event") == "resumed" for r in resumed)
+    assert _steps(resumed, 4, 6) == _steps(straight, 4, 6) and len(_steps(straight, 4, 6)) == 3
+    for role in ("actor", "critic"):
+        a = _weights(tmp_path / "a" / "checkpoints" / "step_6", role)
+        b = _weights(tmp_path / "b" / "checkpoints" / "step_6", role)
+        assert a.keys() == b.keys() and len(a) > 0
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{role} {k} differs after resume"
+
+
+def test_dp2_checkpoint_resumes_at_dp1(tmp_path, ray_local):
+    dp2 = ("cluster.pools.main.workers_per_node=2", "cluster.pools.main.cpus_per_worker=0.5")
+    train_run("examples/ppo_tiny.yaml", tmp_path / "r", *BASE, *dp2, "trainer.total_steps=3")
+    saved = _weights(tmp_path / "r" / "checkpoints" / "step_3", "actor")
+    records = train_run("examples/ppo_tiny.yaml", tmp_path / "r", *BASE, "trainer.total_steps=6",
+                        "trainer.resume=auto")
+    assert max(r["step"] for r in records) == 6
+    # the DP=1 run started from exactly the DP=2 weights: its step-3 validation equals the saved run's view
+    resumed_from = [r for r in records if r.get("event") == "resumed"]
+    assert resumed_from and resumed_from[0]["step"] == 3
+    after = _weights(tmp_path / "r" / "checkpoints" / "step_6", "actor")
+    assert any(not torch.equal(saved[k], after[k]) for k in saved), "training must continue after resume"
+
+
+def test_loaded_weights_equal_saved(tmp_path, ray_local):
+    from fleetrl.config import derive_plan, load_config
+    from fleetrl.tracking.tracker import Tracker
+    from fleetrl.trainer.trainer import Trainer
+    from fleetrl.workers.worker import Worker
+
+    dp2 = ("cluster.pools.main.workers_per_node=2", "cluster.pools.main.cpus_per_worker=0.5")
+    train_run("examples/ppo_tiny.yaml", tmp_path / "s", *BASE, *dp2, "trainer.total_steps=3")
+    saved = _weights(tmp_path / "s" / "checkpoints" / "step_3", "actor")
+    cfg = load_config("examples/ppo_tiny.yaml", [*BASE, "trainer.resume=auto", "tracking.console=false"])
+    trainer = Trainer(derive_plan(cfg), Tracker(tmp_path / "s", cfg.tracking, {}, "x"), tmp_path / "s")
+    try:
+        trainer.build_groups()
+        trainer.maybe_resume()
+        live = trainer.group("actor").call_all(Worker.model_state, "actor")[0]
+    finally:
+        trainer.shutdown()
+    for k, v in saved.items():
+        assert torch.equal(live[k.removeprefix("model.")], v)
+
+
+def test_truncated_checkpoint_is_skipped(tmp_path, ray_local, caplog):
+    train_run("examples/ppo_tiny.yaml", tmp_path / "t", *BASE, "trainer.total_steps=6")
+    victim = next((tmp_path / "t" / "checkpoints" / "step_6" / "actor").glob("*.distcp"))
+    victim.write_bytes(victim.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="fleetrl.checkpoint"):
+        found = find_resume(tmp_path / "t", "auto")
+    assert found is not None and found.name == "step_3"
+    assert "step_6" in caplog.text and "truncated" in caplog.text

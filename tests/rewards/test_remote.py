@@ -1,0 +1,183 @@
+"""`fleetrl serve-reward` and RemoteRewardClient: scoring, auth, limits, slow and missing servers, load sharing."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import requests
+
+from fleetrl.rewards.remote import RemoteRewardClient, RemoteRewardError
+from fleetrl.rewards.server import RewardServer, ServeOptions
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def scorers(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("scorers") / "scorers.py"
+    path.write_text(textwrap.dedent("""
+        import time
+
+        def match(response, ground_truth, extra_info):
+            return float(response.strip() == str(ground_truth))
+
+        def one(response, ground_truth, extra_info):
+            return 1.0
+
+        def two(response, ground_truth, extra_info):
+            return 2.0
+
+        def slow(response, ground_truth, extra_info):
+            time.sleep(1.0)
+            return 1.0
+    """))
+    return path
+
+
+@contextmanager
+def serving(fn: str, **kw):
+    server = RewardServer(ServeOptions(fn=fn, port=0, **kw))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.close()
+        thread.join(timeout=10)
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket is closed
+
+
+BATCH = dict(responses=["4", " 5 ", "x", "7"], ground_truths=["4", "5", "y", 7],
+             data_sources=["gsm8k", "math", "other", "other"], extra_infos=[{}, {}, {}, None])
+
+
+def test_health_and_scoring(scorers):
+    with serving(f"{scorers}:match", token=TOKEN) as server:
+        client = RemoteRewardClient([server.url], token=TOKEN)
+        client.check_health()
+        result = client.score(**BATCH)
+        # data sources named gsm8k/math still go to the served function, not the builtins.
+        assert result.scores == [1.0, 1.0, 0.0, 1.0] and result.num_errors == 0
+        assert client.score([], [], [], []).scores == []
+
+
+def test_builtin_scorer_by_name():
+    with serving("exact_match") as server:
+        assert RemoteRewardClient([server.url]).score(["a", "b"], ["a", "a"], ["d", "d"], [{}, {}]).scores == [1.0, 0.0]
+
+
+def test_wrong_or_missing_token_is_rejected(scorers):
+    with serving(f"{scorers}:match", token=TOKEN) as server:
+        raw = requests.post(f"{server.url}/score", json={"responses": []}, timeout=5)
+        assert raw.status_code == 401 and raw.headers["WWW-Authenticate"] == "Bearer"
+        assert requests.get(f"{server.url}/health", timeout=5).status_code == 401
+        with pytest.raises(RemoteRewardError, match="token rejected"):
+            RemoteRewardClient([server.url], token="wrong").check_health()
+        start = time.monotonic()
+        with pytest.raises(RemoteRewardError, match="HTTP 401 .*rewards.remote_token"):
+            RemoteRewardClient([server.url], retries=3, backoff_s=1.0).score(**BATCH)
+        assert time.monotonic() - start < 1.0  # a 4xx is not retried
+
+
+def test_non_loopback_bind_needs_a_token(scorers):
+    with pytest.raises(ValueError, match="pass --token"):
+        RewardServer(ServeOptions(fn=f"{scorers}:match", host="0.0.0.0", port=0))
+
+
+def test_request_size_limit_and_bad_requests(scorers):
+    with serving(f"{scorers}:match", max_body_bytes=200) as server:
+        big = {**BATCH, "responses": ["x" * 300] * 4}
+        assert requests.post(f"{server.url}/score", json=big, timeout=5).status_code == 413
+        with pytest.raises(RemoteRewardError, match="HTTP 413 .*--max-body-bytes"):
+            RemoteRewardClient([server.url]).score(**big)
+        bad = requests.post(f"{server.url}/score", data=b"{not json", timeout=5,
+                            headers={"Content-Type": "application/json"})
+        assert bad.status_code == 400
+        uneven = requests.post(f"{server.url}/score", json={"responses": ["a"], "ground_truths": []}, timeout=5)
+        assert uneven.status_code == 400 and "equal length" in uneven.json()["error"]
+
+
+def test_slow_server_times_out_retries_then_fails_clearly(scorers):
+    with serving(f"{scorers}:slow", num_workers=1) as server:
+        client = RemoteRewardClient([server.url], timeout_s=0.3, retries=2, backoff_s=0.05)
+        start = time.monotonic()
+        with pytest.raises(RemoteRewardError) as err:
+            client.score(["a"], ["a"], ["d"], [{}])
+        elapsed = time.monotonic() - start
+    message = str(err.value)
+    assert "failed after 3 attempts" in message and message.count("no answer within 0.3s") == 3
+    assert server.url in message and "rewards.timeout_s" in message
+    assert 0.9 <= elapsed < 3.0  # three 0.3 s timeouts plus backoff, never an unbounded wait
+
+
+def test_server_down_at_start_names_the_url_and_how_to_start_one(scorers):
+    dead = _closed_port_url()
+    with pytest.raises(RemoteRewardError) as err:
+        RemoteRewardClient([dead], timeout_s=1).check_health()
+    assert f"{dead}: not reachable" in str(err.value) and "fleetrl serve-reward --fn" in str(err.value)
+
+
+def test_failover_to_a_live_server(scorers):
+    with serving(f"{scorers}:match") as server:
+        client = RemoteRewardClient([_closed_port_url(), server.url], timeout_s=2, retries=1, backoff_s=0.01)
+        for _ in range(2):  # whichever server a sub-batch starts on, it ends on the live one, in order
+            assert client.score(**BATCH).scores == [1.0, 1.0, 0.0, 1.0]
+        with pytest.raises(RemoteRewardError, match="not reachable"):
+            client.check_health()  # the dead one is still reported
+
+
+def test_servers_share_the_load_round_robin(scorers):
+    with serving(f"{scorers}:one") as a, serving(f"{scorers}:two") as b:
+        client = RemoteRewardClient([a.url, b.url])
+        assert client.score(**BATCH).scores == [1.0, 1.0, 2.0, 2.0]
+        assert client.score(**BATCH).scores == [2.0, 2.0, 1.0, 1.0]  # next call starts on the next server
+        assert client.score(["x"], [1], ["d"], [{}]).scores == [1.0]
+
+
+def test_client_rejects_uneven_batches():
+    with pytest.raises(ValueError, match="lengths differ"):
+        RemoteRewardClient(["http://127.0.0.1:1"]).score(["a"], [], ["d"], [{}])
+    with pytest.raises(ValueError, match="at least one server URL"):
+        RemoteRewardClient([])
+
+
+def test_serve_reward_command(scorers):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = [sys.executable, "-m", "fleetrl.cli.main", "serve-reward", "--fn", f"{scorers}:match"]
+    refused = subprocess.run(cli + ["--host", "0.0.0.0"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert refused.returncode == 2 and "pass --token" in refused.stderr
+    proc = subprocess.Popen(cli + ["--port", str(port), "--token", TOKEN], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        client = RemoteRewardClient([f"127.0.0.1:{port}"], token=TOKEN, timeout_s=2)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.check_health()
+                break
+            except RemoteRewardError:
+                assert time.monotonic() < deadline and proc.poll() is None, "serve-reward did not come up"
+                time.sleep(0.2)
+        health = requests.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": f"Bearer {TOKEN}"},
+                              timeout=5).json()
+        assert health == {"status": "ok", "scorer": f"{scorers}:match"}
+        assert json.loads(json.dumps(client.score(**BATCH).scores)) == [1.0, 1.0, 0.0, 1.0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
