@@ -138,6 +138,44 @@ def checks(args) -> dict:
     return out
 
 
+def profile(args, out: Path) -> None:
+    """Kernel-time breakdown of 32 decode steps at batch 256 (graphs on and off), and the attention kernel's
+    bandwidth on its own, written to profile.txt."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from bench.common import event_time
+    from fleetrl.engines.fast.arch import DecoderSpec
+    from fleetrl.engines.fast.triton_kernels import TritonKernels
+
+    lines = []
+    model = build_qwen2(args.profile_shape, torch.bfloat16, args.device)
+    ids, mask = prompts_for(256, args.prompt_len, model.config.vocab_size, args.device)
+    for graphs in (True, False):
+        eng = FastRolloutEngine(model, None, device=args.device, max_batch=256, max_seq_len=args.prompt_len + 64,
+                                use_cuda_graphs=graphs)
+        eng.generate(ids, mask, SamplingParams(max_new_tokens=8, seed=0))
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.generate(ids, mask, SamplingParams(max_new_tokens=33, seed=0))
+        lines += [f"== {args.profile_shape} batch 256, 32 decode steps (+ prefill), cuda graphs={graphs}",
+                  prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)]
+        del eng
+    kn = TritonKernels(torch.device(args.device))
+    for name, heads, kv, dim in (("0.5b", 14, 2, 64), ("1.5b", 12, 2, 128)):
+        spec = DecoderSpec(num_layers=1, hidden=heads * dim, num_heads=heads, num_kv_heads=kv, head_dim=dim,
+                           vocab=1, rms_eps=1e-6)
+        kc = torch.randn(256, kv, 1152, dim, device=args.device, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        q = torch.randn(256, heads * dim, device=args.device, dtype=torch.bfloat16)
+        for length in (256, 640, 1152):
+            pos = torch.full((256,), length - 1, device=args.device)
+            sec = event_time(lambda: kn.decode_attention(q, kc, vc, pos, spec, dim ** -0.5), iters=20)
+            gbps = 2 * kc[:, :, :length].numel() * 2 / sec / 1e9
+            lines.append(f"attention {name} batch 256 len {length}: {sec * 1e6:.1f} us, {gbps:.0f} GB/s")
+    (out / "profile.txt").write_text("\n".join(lines))
+    print("\n".join(lines[-6:]), flush=True)
+
+
 def _logprob_gap(model, ids, mask, out, temperature: float, reduce: str = "max") -> float:
     full = torch.cat([ids, out.responses.to(ids.device)], 1)
     rmask = out.response_mask.to(ids.device)
@@ -162,10 +200,16 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="run the correctness checks first")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--check-shape", default="qwen2.5-0.5b")
-    p.add_argument("--out", default=None, help="folder for decode.json (default $OUT)")
+    p.add_argument("--profile", action="store_true", help="write profile.txt (kernel breakdown) and stop")
+    p.add_argument("--profile-shape", default="qwen2.5-0.5b")
+    p.add_argument("--tag", default="", help="suffix of the output file name")
+    p.add_argument("--out", default=None, help="folder for decode_<engines>.json (default $OUT)")
     args = p.parse_args()
     out = out_dir(args.out)
     result: dict = {"info": device_info(args.device)}
+    if args.profile:
+        profile(args, out)
+        return
     if args.check or args.check_only:
         result["checks"] = checks(args)
         write_json(out / f"decode_checks_{args.kernels}.json", result)
@@ -175,7 +219,7 @@ def main() -> None:
     result["ceilings"] = ceilings = {"copy_Bps": copy_bandwidth(args.device) if on_gpu else 50e9,
                                      "matmul_tflops": matmul_tflops(args.device) if on_gpu else 1.0}
     print("ceilings", ceilings, flush=True)
-    path = out / f"decode_{args.engines.replace(',', '_')}.json"
+    path = out / f"decode_{args.engines.replace(',', '_')}{args.tag}.json"
     rows = bench(args, ceilings, lambda r: write_json(path, {**result, "rows": r}))  # saved row by row
     print_table(rows, ["shape", "engine", "batch", "new_tokens", "tokens_per_s", "step_ms", "roofline_frac",
                        "achieved_GBps", "compute_floor_s", "roofline_s", "decode_s"])

@@ -35,6 +35,9 @@ def step_flops(model: torch.nn.Module, batch: int, seq: int) -> float:
 def run(shape: str, batch: int, seq: int, args) -> dict:
     model = build_qwen2(shape, torch.float32, args.device).train()
     model.config.use_cache = False
+    if args.compile_layers:  # regional compilation: one compiled decoder layer reused by all of them
+        for layer in model.model.layers:
+            layer.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device.startswith("cuda"))
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=args.device)
 
@@ -58,7 +61,7 @@ def run(shape: str, batch: int, seq: int, args) -> dict:
     flops = step_flops(model, batch, seq)
     del model, opt
     gc.collect()
-    return dict(shape=shape, micro_batch=batch, seq=seq, tokens=batch * seq, step_s=seconds,
+    return dict(shape=shape, micro_batch=batch, seq=seq, compiled=args.compile_layers, tokens=batch * seq, step_s=seconds,
                 tokens_per_s=batch * seq / seconds, tflops=flops / seconds / 1e12, peak_mem_gib=peak_mem)
 
 
@@ -69,6 +72,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (fuses the "
+                   "RMSNorm/RoPE/SwiGLU elementwise ops; attention stays SDPA flash)")
+    p.add_argument("--tag", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     info = device_info(args.device)
@@ -89,11 +95,11 @@ def main() -> None:
                 row.update(mfu=row["tflops"] / peak, of_matmul=row["tflops"] / measured)
             rows.append(row)
             print(row, flush=True)
-            write_json(out_dir(args.out) / "train_update.json", dict(  # saved row by row
+            write_json(out_dir(args.out) / f"train_update{args.tag}.json", dict(  # saved row by row
                 info=info, peak_bf16_dense_tflops=peak, measured_matmul_tflops=measured,
                 precision="fp32 master params + bf16 autocast, fused AdamW", rows=rows))
     print(f"peak {peak} TFLOP/s (datasheet, dense bf16); measured 8192^3 bf16 matmul {measured:.0f} TFLOP/s")
-    print_table(rows, ["shape", "micro_batch", "seq", "tokens_per_s", "step_s", "tflops", "mfu", "of_matmul",
+    print_table(rows, ["shape", "micro_batch", "seq", "compiled", "tokens_per_s", "step_s", "tflops", "mfu", "of_matmul",
                        "peak_mem_gib"])
 
 

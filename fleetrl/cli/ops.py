@@ -63,6 +63,8 @@ def cluster_up(
     object_store_memory: Optional[int] = typer.Option(None, "--object-store-memory", help="Bytes."),
     temp_dir: Optional[Path] = typer.Option(None, "--temp-dir", help="Ray's temp dir on this node."),
     state_file: Optional[Path] = StateFile,
+    ray_arg: Optional[List[str]] = typer.Option(None, "--ray-arg", help="Extra `ray start` argument, e.g. "
+                                                "--ray-arg=--dashboard-agent-listen-port=52366."),
     block: bool = typer.Option(False, "--block", help="Stay in the foreground until Ray (or the head) stops."),
 ) -> None:
     """Start Ray on this node as head or worker (role from flags, SLURM, dstack or torchrun variables)."""
@@ -72,7 +74,8 @@ def cluster_up(
                  wait_timeout_s=wait_timeout, join_timeout_s=join_timeout, token_file=token_file,
                  net_profile=net_profile, env=tuple(env or ()), dashboard_host=dashboard_host,
                  dashboard_port=dashboard_port, num_cpus=num_cpus, num_gpus=num_gpus,
-                 object_store_memory=object_store_memory, temp_dir=temp_dir, state_file=state_file),
+                 object_store_memory=object_store_memory, temp_dir=temp_dir, state_file=state_file,
+                 ray_args=tuple(ray_arg or ())),
        console=err_console)
     if block:
         raise typer.Exit(block_until_exit(state_file))

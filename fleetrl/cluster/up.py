@@ -53,6 +53,8 @@ class UpOptions:
     object_store_memory: int | None = None
     temp_dir: Path | None = None
     state_file: Path | None = None
+    ray_args: tuple[str, ...] = ()
+    """Passed to `ray start` as is, e.g. "--dashboard-agent-listen-port=52366" when two clusters share a host."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,7 +312,7 @@ def ray_start_command(decision: RoleDecision, opts: UpOptions, node_ip: str, add
                         ("--object-store-memory", opts.object_store_memory), ("--temp-dir", opts.temp_dir)):
         if value is not None:
             cmd += [flag, str(value)]
-    return cmd
+    return cmd + list(opts.ray_args)
 
 
 def _wait_started(proc: subprocess.Popen, log_path: Path, timeout_s: float, state_file: Path) -> None:

@@ -157,6 +157,10 @@ def _batch_arithmetic(cfg: RunConfig, world: dict[str, int]) -> tuple[int, int, 
                           f"{prompts}; choose a divisor (e.g. {_divisors(prompts)})")
     mini = mini_prompts * n
     micro = cfg.algorithm.micro_batch_size
+    # A micro-batch larger than a rank's share of the mini-batch just means one micro-batch per rank.
+    per_rank_sizes = [mini // world[r] for r in ("actor", "critic") if r in world and mini % world[r] == 0]
+    if per_rank_sizes and micro > min(per_rank_sizes):
+        micro = min(per_rank_sizes)
     for role in ("actor", "critic"):
         dp = world.get(role)
         if dp is None:

@@ -44,7 +44,10 @@ def head():
     up = subprocess.run(CLI + ["cluster", "up", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                                "--dashboard-port", str(dash), "--token-file", str(root / "token"),
                                "--state-file", str(state), "--temp-dir", str(root / "t"), "--num-cpus", "2",
-                               "--object-store-memory", str(80 * 2**20), "--wait-timeout", "60"],
+                               "--object-store-memory", str(80 * 2**20), "--wait-timeout", "60",
+                               # Other Ray clusters on this machine (other tests) may hold the default ports.
+                               f"--ray-arg=--dashboard-agent-listen-port={_free_port()}",
+                               f"--ray-arg=--ray-client-server-port={_free_port()}"],
                         env=env, capture_output=True, text=True, timeout=180)
     try:
         assert up.returncode == 0, up.stdout + up.stderr

@@ -1,0 +1,51 @@
+"""An infeasible placement fails fast (well inside 30 s) with a message naming the shortfall."""
+import time
+
+import pytest
+
+from fleetrl.cluster.build import build_groups
+from fleetrl.cluster.placement import NodeResources, PlacementError, check_feasible
+from fleetrl.config import derive_plan, load_config
+from fleetrl.config.plan import PoolPlan
+
+
+def _pool(name="main", nodes=1, per_node=1, **bundle):
+    return PoolPlan(name=name, nodes=nodes, bundles_per_node=per_node, bundle=bundle or {"CPU": 1.0}, roles=("actor",))
+
+
+NODES = [NodeResources("n1", "10.0.0.1", {"CPU": 8, "GPU": 8}, {"CPU": 8, "GPU": 8}),
+         NodeResources("n2", "10.0.0.2", {"CPU": 8, "GPU": 4}, {"CPU": 8, "GPU": 4})]
+
+
+def test_fits():
+    check_feasible([_pool(nodes=2, per_node=4, CPU=0.25, GPU=1)], NODES)
+
+
+def test_too_many_gpus_in_total():
+    with pytest.raises(PlacementError, match=r"GPU: needs 16, cluster has 12"):
+        check_feasible([_pool(nodes=2, per_node=8, CPU=0.25, GPU=1)], NODES)
+
+
+def test_per_node_shape_no_node_holds():
+    # 12 GPUs exist, 2 × 6 would fit in total, but n2 has only 4
+    with pytest.raises(PlacementError, match=r"not in that per-node shape"):
+        check_feasible([_pool(nodes=2, per_node=6, CPU=0.25, GPU=1)], NODES)
+
+
+def test_pools_compete_for_one_node():
+    with pytest.raises(PlacementError, match=r"pool 'b'"):
+        check_feasible([_pool("a", per_node=8, CPU=0.1, GPU=1), _pool("b", per_node=8, CPU=0.1, GPU=1)], NODES)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["cluster.pools.main.gpus_per_worker=1"], "GPU: needs 1, cluster has 0"),
+    (["cluster.pools.main.cpus_per_worker=64"], "CPU: needs 64"),
+    (["cluster.pools.main.nodes=2", "data.prompts_per_step=8"], "per-node shape"),
+])
+def test_real_cluster_fails_fast(ray_local, overrides, needle):
+    plan = derive_plan(load_config("examples/quickstart.yaml", overrides))
+    t0 = time.time()
+    with pytest.raises(PlacementError, match=needle) as err:
+        build_groups(plan)
+    assert time.time() - t0 < 30
+    assert "fleetrl cluster up" in str(err.value) and "cluster nodes" in str(err.value)

@@ -1,0 +1,67 @@
+"""Separate rollout pool: after a weight sync the rollout generates with the new weights (its logprobs equal
+the trainer's), a stale engine refuses to generate, and a stalled receiver is a timeout error, not a hang."""
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from fleetrl.cluster.weight_sync import WeightSyncError, broadcast_weights
+from fleetrl.config import derive_plan, load_config
+from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.trainer import Trainer
+from fleetrl.workers.worker import Worker
+
+pytestmark = pytest.mark.slow
+SPLIT = ["cluster.pools={train: {cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5}}",
+         "cluster.roles={actor: train, rollout: gen}", "model.path=tiny:", "data.prompts_per_step=8",
+         "actor.optim.lr=0.01", "tracking.console=false", "cluster.init_timeout_s=5", "algorithm.micro_batch_size=16"]
+
+
+@pytest.fixture()
+def trainer(tmp_path, ray_local):
+    cfg = load_config("examples/quickstart.yaml", SPLIT)
+    t = Trainer(derive_plan(cfg), Tracker(tmp_path, cfg.tracking, {}, "ws"), tmp_path)
+    t.build_groups()
+    yield t
+    t.shutdown()
+
+
+def _rollout_vs_actor(t: Trainer) -> float:
+    batch = t.generate(t.train_feed.next_batch(8))
+    actor = t.group("actor").call_split(Worker.compute_logprobs, batch.pick("prompts", "prompt_mask", "responses",
+                                                                           "response_mask"))
+    mask = batch["response_mask"].float()
+    return float(((batch["rollout_logprobs"] - actor["old_logprobs"]).abs() * mask).max())
+
+
+def test_sync_delivers_new_weights(trainer):
+    assert _rollout_vs_actor(trainer) < 1e-5  # same initial weights
+    batch = trainer.score(trainer.generate(trainer.train_feed.next_batch(8)))
+    batch.tensors["scores"] = (torch.arange(len(batch)) % 2).float()
+    trainer.update(trainer.advantages(trainer.logprobs(batch)))
+    assert _rollout_vs_actor(trainer) > 1e-3, "before the sync the rollout still has the old weights"
+    trainer.sync()
+    assert trainer.group("rollout").call_all(Worker.weights_version) == [1]
+    assert _rollout_vs_actor(trainer) < 1e-5
+
+
+def test_stale_engine_refuses(trainer):
+    trainer.weights_version = 5  # the controller believes v5 was published; the engine holds v0
+    with pytest.raises(Exception, match="weights version 0 but the step needs 5"):
+        trainer.generate(trainer.train_feed.next_batch(8))
+
+
+def test_stalled_receiver_times_out(trainer):
+    info = trainer.group("rollout").node_infos()[0]
+    proc = psutil.Process(info["pid"])
+    proc.send_signal(signal.SIGSTOP)
+    t0 = time.time()
+    try:
+        with pytest.raises(WeightSyncError, match="stalled|did not finish|failed"):
+            broadcast_weights(trainer.group("actor"), trainer.group("rollout"), 1, timeout_s=5)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert time.time() - t0 < 30
