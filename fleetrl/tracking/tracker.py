@@ -20,7 +20,7 @@ from fleetrl.config.schema import TrackingConfig
 log = logging.getLogger("fleetrl.tracking")
 # The console line shows these, in this order, when present.
 CONSOLE_KEYS = ("train/reward_mean", "val/reward_mean", "train/response_length_mean", "train/kl",
-                "train/entropy", "train/actor/pg_loss", "train/actor/grad_norm", "train/time/step")
+                "train/entropy", "train/actor/grad_norm", "train/time/step")
 
 
 class Tracker:
@@ -86,7 +86,7 @@ class Tracker:
             self.mlflow.end_run()
 
     def _print(self, step: int, m: dict[str, float]) -> None:
-        parts = [f"{k.split('/', 1)[1]}={m[k]:.4g}" for k in CONSOLE_KEYS if k in m]
+        parts = [f"{k.removeprefix('train/').removeprefix('actor/')}={m[k]:.4g}" for k in CONSOLE_KEYS if k in m]
         if not any(k.startswith("train/") for k in m):
             parts = [f"{k}={v:.4g}" for k, v in m.items() if "/" in k and k.count("/") == 1]
         self.console.print(f"[bold cyan]step {step:>4}[/] " + " ".join(parts))
