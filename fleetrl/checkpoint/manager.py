@@ -54,6 +54,8 @@ def save_checkpoint(trainer: "Trainer") -> Path:
     m = trainer.cfg.model
     meta = {"step": trainer.step, "model_path": m.path, "tokenizer_path": m.tokenizer or m.path, "dtype": m.dtype,
             "roles": sorted(trainer.plan.roles)}
+    if trainer.cfg.trainer.delta_checkpoints != "off" and "actor" in trainer.plan.roles:
+        _save_delta(trainer, tmp, meta)
     (tmp / COMPLETE_MARK).write_text(json.dumps(meta, indent=1))
     if final.exists():
         shutil.rmtree(final)
@@ -61,6 +63,46 @@ def save_checkpoint(trainer: "Trainer") -> Path:
     _write_latest(root, final.name)
     prune(root, trainer.cfg.trainer.keep_last, trainer.cfg.trainer.keep_every)
     return final
+
+
+def _save_delta(trainer: "Trainer", tmp: Path, meta: dict) -> None:
+    """Change of the actor since the previous delta checkpoint (or the base model), changed tensors only."""
+    from fleetrl.checkpoint.delta import apply_deltas, load_delta, make_delta, save_delta
+    from fleetrl.models.hf import load_causal_lm
+    from fleetrl.workers.worker import Worker
+
+    m = trainer.cfg.model
+    new = trainer.group("actor").call_all(Worker.model_state, "actor")[0]
+    chain = delta_chain(checkpoint_root(trainer.out_dir), trainer.step)
+    base = load_causal_lm(m.path, dtype=m.dtype).state_dict()
+    previous = apply_deltas(base, [load_delta(p) for p in chain]) if chain else base
+    prev_step = int(chain[-1].parent.name[5:]) if chain else 0
+    kind = trainer.cfg.trainer.delta_checkpoints
+    delta = make_delta(previous, new, mode="exact" if kind == "exact" else "diff", bits=8 if kind == "int8" else None,
+                       base_model=m.path, base_step=prev_step, step=trainer.step)
+    save_delta(delta, tmp / "delta.safetensors")
+    meta["delta"] = {"mode": kind, "base_step": prev_step, "nbytes": delta.nbytes,
+                     "error": {k: v for k, v in delta.error_report(previous, new).items() if k.startswith("overall/")}}
+
+
+def delta_chain(root: Path, before_step: int) -> list[Path]:
+    """delta.safetensors of every complete checkpoint before `before_step`, in step order."""
+    return [root / f"step_{s}" / "delta.safetensors" for s in sorted(_steps(root))
+            if s < before_step and (root / f"step_{s}" / "delta.safetensors").is_file()
+            and (root / f"step_{s}" / COMPLETE_MARK).is_file()]
+
+
+def export_via_deltas(ckpt: str | Path, out_dir: str | Path, *, dtype: str | None = None) -> Path:
+    from fleetrl.checkpoint.delta import export_from_deltas
+
+    ckpt = Path(ckpt)
+    meta = json.loads((ckpt / COMPLETE_MARK).read_text())
+    chain = delta_chain(ckpt.parent, meta["step"] + 1)
+    if not chain or chain[-1].parent != ckpt:
+        raise CheckpointError(f"{ckpt} has no delta.safetensors; train with trainer.delta_checkpoints=exact "
+                              f"(and keep every checkpoint: trainer.keep_last=0) to export from deltas")
+    return export_from_deltas(meta["model_path"], [str(p) for p in chain], out_dir,
+                              tokenizer_path=meta["tokenizer_path"], dtype=dtype)
 
 
 def _write_latest(root: Path, name: str) -> None:

@@ -51,15 +51,26 @@ def config_show(config: str = typer.Argument(..., help="Run config YAML."),
     console.print_json(json.dumps(plan.summary()))
 
 
-def _register_ops() -> None:
+@app.command()
+def export(checkpoint: str = typer.Argument(..., help="A checkpoint folder (OUT/checkpoints/step_N)."),
+           hf: str = typer.Option(..., "--hf", help="Output folder for the Hugging Face model."),
+           dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: as trained)."),
+           from_deltas: bool = typer.Option(False, "--from-deltas",
+                                            help="Rebuild from the base model + every delta.safetensors up to CHECKPOINT.")) -> None:
+    """Write a Hugging Face model folder (config, safetensors, tokenizer) from a checkpoint."""
+    from fleetrl.checkpoint.export import CheckpointError, export_hf
+    from fleetrl.checkpoint.manager import export_via_deltas
+
     try:
-        from fleetrl.cli import ops
-    except ImportError:  # ops commands not available in this build
-        return
-    ops.register(app)
+        out = export_via_deltas(checkpoint, hf, dtype=dtype) if from_deltas else export_hf(checkpoint, hf, dtype=dtype)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        _fail(e)
+    console.print(f"wrote {out}")
 
 
-_register_ops()
+from fleetrl.cli import ops  # noqa: E402  (cluster, doctor, jobs, recipes, reward server)
+
+ops.register(app)
 
 if __name__ == "__main__":
     app()

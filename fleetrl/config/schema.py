@@ -157,6 +157,9 @@ class TrainerConfig:
     """Checkpoints kept (older ones deleted), 0 = keep all."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0 = off)."""
+    delta_checkpoints: str = "off"
+    """off | exact | int8: also store the actor's change from the base model (changed tensors only) as
+    step_N/delta.safetensors; `fleetrl export --from-deltas` rebuilds full weights from base + deltas."""
     export_every: int = 0
     """Write a Hugging Face model folder every N steps under OUT/hf/step_N (0 = off)."""
     resume: str = "never"
