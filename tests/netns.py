@@ -38,6 +38,8 @@ def skip_reason() -> str | None:
     if made.returncode != 0:
         return f"`ip netns add` failed here ({made.stderr.strip()}); the container lacks CAP_SYS_ADMIN"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        return "`unshare -m` failed here (util-linux missing or no CAP_SYS_ADMIN): no private mounts for a node"
     return None
 
 

@@ -135,12 +135,11 @@ def check_shared_fs(path: Path, probes: list[NodeProbe], seen_by_head: set[str])
     failed = [f"{p.ip} ({p.marker_error})" for p in probes if p.marker_error]
     unseen = [p.ip for p in probes if not p.marker_error and p.node_id not in seen_by_head]
     if failed or unseen:
-        detail = "; ".join(filter(None, [f"cannot write on {', '.join(failed)}" if failed else "",
-                                         f"files written on {', '.join(unseen)} not visible on the head"
-                                         if unseen else ""]))
-        return CheckResult("shared filesystem", False, f"{path}: {detail}",
-                           f"put the checkpoint path on a filesystem every node mounts at the same path "
-                           f"(NFS, Lustre, ...) and set trainer.output_dir / --checkpoint-path to it")
+        problems = ([f"cannot write on {', '.join(failed)}"] if failed else []) + \
+            ([f"files written on {', '.join(unseen)} not visible on the head"] if unseen else [])
+        return CheckResult("shared filesystem", False, f"{path}: {'; '.join(problems)}",
+                           "put the checkpoint path on a filesystem every node mounts at the same path "
+                           "(NFS, Lustre, ...) and set trainer.output_dir / --checkpoint-path to it")
     return CheckResult("shared filesystem", True, f"{path} shared by {len(probes)} node(s)")
 
 

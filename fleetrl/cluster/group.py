@@ -39,12 +39,13 @@ class WorkerGroup:
         self.backend = backend
         self.world_size = self.pool.world_size
         self.pg = None
+        self.overhead_s = 0.0
         timeout = plan.config.cluster.init_timeout_s
         if backend == "local":
             self.workers: list[Any] = [Worker(self._ctx(0))]
         else:
             self.workers = self._spawn(env or {})
-        addr, port = self._get([self._invoke(self.workers[0], Worker.master_address)], timeout)[0]
+        addr, port = self._get([self._invoke(self.workers[0], Worker.master_address)], timeout)[0][0]
         self.call_all(Worker.init_dist, addr, port, timeout, timeout=timeout)
         self.call_all(Worker.build, timeout=timeout)
 
@@ -71,11 +72,20 @@ class WorkerGroup:
 
     # ---------------------------------------------------------------- calls
     def call_all(self, method: Callable, *args: Any, timeout: float | None = None) -> list[Any]:
-        return self._get([self._invoke(w, method, *args) for w in self.workers], timeout)
+        t0 = time.perf_counter()
+        return self._timed_get([self._invoke(w, method, *args) for w in self.workers], timeout, t0)
 
     def call_parts(self, method: Callable, parts: Sequence[Any], timeout: float | None = None) -> list[Any]:
         assert len(parts) == self.world_size, (len(parts), self.world_size)
-        return self._get([self._invoke(w, method, p) for w, p in zip(self.workers, parts)], timeout)
+        t0 = time.perf_counter()
+        return self._timed_get([self._invoke(w, method, p) for w, p in zip(self.workers, parts)], timeout, t0)
+
+    def _timed_get(self, refs: list[Any], timeout: float | None, t0: float) -> list[Any]:
+        """Results of Worker.timed calls; adds (call wall time - slowest worker's own compute) to overhead_s, the
+        time Ray itself costs (serialisation, scheduling, transfer) as seen by the controller."""
+        pairs = self._get(refs, timeout)
+        self.overhead_s += max(0.0, time.perf_counter() - t0 - max(dt for _, dt in pairs))
+        return [r for r, _ in pairs]
 
     def call_split(self, method: Callable, batch: Batch, timeout: float | None = None) -> Batch:
         """Splits the batch balanced by tokens over the ranks, runs, and returns results in the input order."""
@@ -86,8 +96,8 @@ class WorkerGroup:
 
     def _invoke(self, worker: Any, method: Callable, *args: Any) -> Any:
         if self.backend == "local":
-            return method(worker, *args)
-        return getattr(worker, method.__name__).remote(*args)
+            return worker.timed(method.__name__, *args)
+        return worker.timed.remote(method.__name__, *args)
 
     def _get(self, refs: list[Any], timeout: float | None) -> list[Any]:
         if self.backend == "local":

@@ -1,9 +1,8 @@
 """`fleetrl cluster up | status | down`: start Ray on this node as head or worker, and stop only that.
 
-`cluster up` runs `ray start --block` as a session leader in the background, so every Ray process it
-spawns (GCS, raylet, agents, workers) shares its process group; the state file records the PID and its
-start time, and `cluster down` signals that group alone. `ray stop` is never used: it kills every Ray on
-the machine, including other users' and other tests' clusters.
+`cluster up` runs `ray start --block` in the background as a session leader and records its PID and start
+time in a state file; `cluster down` stops that process and its process tree, nothing else. `ray stop` is
+never used: it kills every Ray on the machine, including other users' and other tests' clusters.
 """
 from __future__ import annotations
 
@@ -166,7 +165,7 @@ def wait_for_nodes(address: str, expected: int, token: auth.ClusterToken | None,
                 ips = ", ".join(n["NodeManagerAddress"] for n in alive)
                 raise TimeoutError(f"{len(alive)} of {expected} nodes alive after {timeout_s:.0f}s ({ips}); start "
                                    f"the others with `fleetrl cluster up --address {address}` or lower "
-                                   f"--expect-nodes")
+                                   f"--expect-nodes. Ray keeps running here; `fleetrl cluster down` stops it")
             time.sleep(poll_s)
 
 

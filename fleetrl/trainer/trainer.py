@@ -53,6 +53,8 @@ class Trainer:
         self.tracker.start_progress(total, self.step)
         while self.step < total:
             self.timings = {}
+            for g in self.groups.values():
+                g.overhead_s = 0.0
             t0 = time.perf_counter()
             batch = self.generate(self.train_feed.next_batch(self.cfg.data.prompts_per_step))
             batch = self.score(batch)
@@ -65,6 +67,7 @@ class Trainer:
             self.step += 1
             metrics.update(rollout_metrics(batch, self.timings, time.perf_counter() - t0, self.cfg))
             metrics["train/kl_coef"] = self.kl_ctl.coef
+            metrics["train/time/worker_call_overhead"] = sum(g.overhead_s for g in self.groups.values())
             self.checkpoint()
             if self.val_feed and self.cfg.trainer.val_every and (self.step % self.cfg.trainer.val_every == 0
                                                                   or self.step == total):

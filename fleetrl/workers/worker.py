@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 from datetime import timedelta
 
@@ -25,6 +26,13 @@ class Worker:
         self.ctx = ctx
         self.actor = self.critic = self.ref = self.rollout = None
         self._dist_ready = False
+
+    def timed(self, method: str, *args):
+        """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
+        compute from transport overhead."""
+        t0 = time.perf_counter()
+        out = getattr(self, method)(*args)
+        return out, time.perf_counter() - t0
 
     # ------------------------------------------------------------------ setup
     def node_info(self) -> dict:

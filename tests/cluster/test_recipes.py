@@ -51,7 +51,8 @@ def test_slurm_node_script_head_trains_worker_blocks(tmp_path):
     node = _node_script(slurm_script(RECIPE))
     env = {"SLURM_JOB_ID": "77", "FLEETRL_TOKEN_FILE": "/shared/tok"}
     head = _run_with_fake_python(tmp_path, "bash", node, {**env, "SLURM_NODEID": "0"})
-    up = "-m|fleetrl.cli.main|cluster|up|--port|6379|--token-file|/shared/tok|--state-file|/tmp/fleetrl-cluster-77.json|"
+    up = ("-m|fleetrl.cli.main|cluster|up|--port|6379|--token-file|/shared/tok|"
+          "--state-file|/tmp/fleetrl-cluster-77.json|")
     assert head == [f"{up}--net-profile|ib|--expect-nodes|4|--wait-timeout|900|",
                     "-m|fleetrl.cli.main|train|examples/quickstart.yaml|trainer.total_steps=3|trainer.name=two words|",
                     "-m|fleetrl.cli.main|cluster|down|--state-file|/tmp/fleetrl-cluster-77.json|"]

@@ -123,9 +123,12 @@ def test_worker_joins_from_env_and_head_wait_returns(cluster):
     root = cluster["root"]
     token = (root / "token").read_text().strip()
     assert cluster["head_rc"] == 0, cluster["head_out"]
-    worker_out = (root / "worker.out").read_text()
+    joined = f"joined {cluster['a'].ip}:{PORT} as worker {cluster['b'].ip} (role from torchrun)"
+    deadline = time.monotonic() + 30  # the head may count the node a moment before the worker says so
+    while joined not in (worker_out := (root / "worker.out").read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert joined in worker_out, worker_out
     assert cluster["worker"].poll() is None, worker_out  # still blocking, as under srun
-    assert f"joined {cluster['a'].ip}:{PORT} as worker {cluster['b'].ip} (role from torchrun)" in worker_out
     head_out = cluster["head_out"]
     assert "2/2" in head_out  # the progress line reached both nodes
     assert f"fleetrl cluster up --address {cluster['a'].ip}:{PORT} --token-file {root / 'token'}" in head_out
@@ -146,7 +149,7 @@ node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == 
 class Probe:
     def env(self):
         import os
-        return os.environ.get("FLEETRL_NETNS_PROBE"), os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_IB_DISABLE")
+        return tuple(os.environ.get(k) for k in ("FLEETRL_NETNS_PROBE", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE"))
 p = Probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
 print("ENV", ray.get(p.env.remote(), timeout=60))
 """
@@ -170,7 +173,8 @@ def test_doctor_passes_across_two_hosts(cluster):
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     out = done.stdout
     assert "✗" not in out
-    for row in ("versions", "gpus", "shared filesystem", "ports", "disk", "all-reduce (gloo, 2 nodes)", "bus bandwidth"):
+    for row in ("versions", "gpus", "shared filesystem", "ports", "disk", "all-reduce (gloo, 2 nodes)",
+                "bus bandwidth"):
         assert row in out, row
     assert "shared by 2 node(s)" in out
 
