@@ -36,7 +36,8 @@ def cluster_nodes() -> list[NodeResources]:
     for n in ray.nodes():
         if not n.get("Alive"):
             continue
-        total = {k: float(v) for k, v in n["Resources"].items() if not k.startswith("node:")}
+        # node:<ip> resources stay: pinning a pool to a host with `resources: {"node:10.0.0.2": 0.01}` works.
+        total = {k: float(v) for k, v in n["Resources"].items()}
         nodes.append(NodeResources(n["NodeID"], n["NodeManagerAddress"], total,
                                    avail_by_node.get(n["NodeID"], dict(total))))
     return sorted(nodes, key=lambda x: (x.ip, x.node_id))
@@ -44,13 +45,8 @@ def cluster_nodes() -> list[NodeResources]:
 
 def _available_by_node() -> dict[str, dict[str, float]]:
     try:
-        from ray.util.state import list_nodes  # noqa: F401  (needs the dashboard; fall back when absent)
-    except Exception:
-        pass
-    try:
         per_node = ray._private.state.state._available_resources_per_node()  # noqa: SLF001
-        return {nid: {k: float(v) for k, v in res.items() if not k.startswith("node:")}
-                for nid, res in per_node.items()}
+        return {nid: {k: float(v) for k, v in res.items()} for nid, res in per_node.items()}
     except Exception:
         return {}
 
@@ -104,7 +100,7 @@ def _shortfall(pool: PoolPlan, need: dict[str, float], placed: int, nodes: list[
 def describe_nodes(nodes: list[NodeResources]) -> str:
     lines = ["cluster nodes (available / total):"]
     for n in nodes:
-        keys = sorted(k for k in n.total if k not in _IGNORED)
+        keys = sorted(k for k in n.total if k not in _IGNORED and not k.startswith("node:"))
         res = ", ".join(f"{k} {n.available.get(k, 0.0):g}/{n.total[k]:g}" for k in keys)
         lines.append(f"    {n.ip} [{n.node_id[:8]}]: {res}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from fleetrl.cluster.health import is_recoverable, wait_for_capacity
+from fleetrl.cluster.placement import PlacementError
 from fleetrl.config.plan import Plan
 from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.trainer import Trainer
@@ -26,7 +27,10 @@ class Supervisor:
             try:
                 return trainer.fit()
             except Exception as e:  # noqa: BLE001 — classified just below; anything else re-raises
-                if not is_recoverable(e) or self.restarts >= self.plan.config.trainer.max_restarts:
+                # After a loss, placement may fail while a replacement node is still joining: that is part
+                # of recovering. On the first attempt an unplaceable plan is a config error: fail fast.
+                retryable = is_recoverable(e) or (self.restarts > 0 and isinstance(e, PlacementError))
+                if not retryable or self.restarts >= self.plan.config.trainer.max_restarts:
                     raise
                 self.restarts += 1
                 self.tracker.event(trainer.step, "restart", attempt=self.restarts, error=f"{type(e).__name__}: {e}"[:500])

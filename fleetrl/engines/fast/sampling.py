@@ -4,9 +4,10 @@ Randomness is a pure function of (call seed, request index, token index), so a r
 depend on which slot or step it ran in, and a CUDA graph needs no generator state:
   * torch path (CPU, or CUDA without Triton): one uniform per row from an integer hash, then inverse-CDF
     sampling over the (filtered) softmax: token = #{i : cdf_i <= u * cdf_V}.
-  * Triton path (CUDA, no top-k/top-p): Gumbel-max, argmax(z + g) with g = -log(-log(U)) drawn in-kernel
-    from Philox keyed by the same triple, fused with the log-sum-exp in one pass over the logits
-    (Gumbel-max trick: Gumbel 1954; used for LLM sampling in e.g. gpt-fast's `multinomial_sample_one_no_sync`).
+  * Triton path (CUDA, no top-k/top-p): the Gumbel-max trick in its exponential-race form, argmax_i p_i / E_i
+    with E_i = -log U_i ~ Exp(1) (equivalent to argmax(z + Gumbel noise); Gumbel 1954; gpt-fast's
+    `multinomial_sample_one_no_sync` uses the same form), U from in-kernel Philox keyed by the same triple,
+    fused with the log-sum-exp in one pass over the logits.
 The reported logprob is log_softmax(logits / T) at the sampled id in fp32, over the UNfiltered logits, as the
 protocol requires; greedy (T = 0) reports log_softmax(logits) (T = 1).
 """

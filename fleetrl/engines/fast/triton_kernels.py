@@ -11,7 +11,7 @@ layer to ~13 launches, and the attention kernel reads each slot's KV only up to 
                     so K/V are read once per KV head (GQA); a second kernel merges the splits' softmax states
                     (skipped when the batch alone fills the GPU and one split covers the cache)
   silu_mul          silu(gate) * up
-  sample            temperature + Gumbel-max argmax + log-sum-exp in one pass over the logits, then a merge
+  sample            temperature + Gumbel-max sampling + log-sum-exp in one pass over the logits, then a merge
   step_update       append the sampled token, advance positions, update done flags (one launch)
 """
 from __future__ import annotations
@@ -153,27 +153,55 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _sample_sub_block(x_ptr, row, stride, V, temp, cols, r, GREEDY: tl.constexpr):
+    """(best key, its index in `cols`, max z, sum exp(z - max z)) over one sub-block; z = logits / T."""
+    z = tl.load(x_ptr + row * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
+    m = tl.max(z, 0)
+    e = tl.exp(z - tl.where(m == float("-inf"), 0.0, m))  # an all-padding sub-block has m = -inf, e = 0
+    if GREEDY:
+        best = tl.argmax(z, 0)
+        kmax = m
+    else:
+        # exponential race, equivalent to Gumbel-max: argmax_i p_i / E_i with E_i ~ Exp(1) samples i ~ p,
+        # and reuses the exp() the log-sum-exp needs (one log per element instead of two)
+        ratio = e / -tl.log(tl.random.uint_to_uniform_float(r))
+        best = tl.argmax(ratio, 0)
+        kmax = m + tl.log(tl.max(ratio, 0))
+    return kmax, best, m, tl.sum(e, 0)
+
+
+@triton.jit
 def _sample_partial_kernel(x_ptr, stride, V, temp_ptr, seed_ptr, req_ptr, cnt_ptr, kmax_ptr, kidx_ptr,
                            bmax_ptr, bsum_ptr, NBLK, GREEDY: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < V
-    z = tl.load(x_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32) / tl.load(temp_ptr)
-    bmax = tl.max(z, 0)
-    bsum = tl.sum(tl.exp(z - bmax), 0)
+    Q: tl.constexpr = BLOCK_V // 4
+    temp = tl.load(temp_ptr)
+    lanes = tl.arange(0, Q)
+    base = blk * BLOCK_V
     if GREEDY:
-        key = z
+        r0, r1, r2, r3 = lanes, lanes, lanes, lanes  # unused
     else:
-        # one Philox key per (call seed, request, token index): seed < 2^22, req < 2^20, count < 2^20
+        # one Philox4x32 call yields the uniforms of 4 sub-blocks; key = (call seed, request, token index)
         seed = tl.load(seed_ptr) * 1099511627776 + tl.load(req_ptr + row) * 1048576 + tl.load(cnt_ptr + row)
-        u = tl.rand(seed, cols)
-        key = z - tl.log(-tl.log(u))
-    best = tl.argmax(key, 0)
+        r0, r1, r2, r3 = tl.randint4x(seed, blk * Q + lanes)
+    k0, i0, m0, s0 = _sample_sub_block(x_ptr, row, stride, V, temp, base + lanes, r0, GREEDY)
+    k1, i1, m1, s1 = _sample_sub_block(x_ptr, row, stride, V, temp, base + Q + lanes, r1, GREEDY)
+    k2, i2, m2, s2 = _sample_sub_block(x_ptr, row, stride, V, temp, base + 2 * Q + lanes, r2, GREEDY)
+    k3, i3, m3, s3 = _sample_sub_block(x_ptr, row, stride, V, temp, base + 3 * Q + lanes, r3, GREEDY)
+    kmax, kidx = k0, i0
+    kidx = tl.where(k1 > kmax, Q + i1, kidx)  # strict '>': ties keep the lower token id
+    kmax = tl.maximum(kmax, k1)
+    kidx = tl.where(k2 > kmax, 2 * Q + i2, kidx)
+    kmax = tl.maximum(kmax, k2)
+    kidx = tl.where(k3 > kmax, 3 * Q + i3, kidx)
+    kmax = tl.maximum(kmax, k3)
+    m = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))  # sub-block 0 always holds a real column
+    bsum = s0 * tl.exp(m0 - m) + s1 * tl.exp(m1 - m) + s2 * tl.exp(m2 - m) + s3 * tl.exp(m3 - m)
     out = row * NBLK + blk
-    tl.store(kmax_ptr + out, tl.max(key, 0))
-    tl.store(kidx_ptr + out, blk * BLOCK_V + best)
-    tl.store(bmax_ptr + out, bmax)
+    tl.store(kmax_ptr + out, kmax)
+    tl.store(kidx_ptr + out, base + kidx)
+    tl.store(bmax_ptr + out, m)
     tl.store(bsum_ptr + out, bsum)
 
 
