@@ -42,6 +42,7 @@ class Plan:
     num_mini_batches: int
     micro_batch_size: int  # per rank
     total_steps: int | None
+    recompute_logprobs: bool = True
     world: dict[str, int] = field(default_factory=dict)  # active role -> data-parallel size
 
     def pool_of(self, role: str) -> PoolPlan:
@@ -58,6 +59,7 @@ class Plan:
             "micro_batch_size_per_rank": self.micro_batch_size,
             "use_critic": self.use_critic,
             "use_ref": self.use_ref,
+            "recompute_logprobs": self.recompute_logprobs,
             "total_steps": self.total_steps,
         }
 
@@ -76,9 +78,11 @@ def derive_plan(cfg: RunConfig) -> Plan:
         raise ConfigError(f"cluster.backend=local holds workers in the driver process, so every pool must have "
                           f"one worker; got world sizes {world}. Use cluster.backend=ray for data parallelism")
     samples, mini, n_mini, micro = _batch_arithmetic(cfg, world)
+    on_policy = n_mini == 1 and cfg.algorithm.ppo_epochs == 1
     return Plan(config=cfg, pools=pools, roles=roles, use_critic=use_critic, use_ref=use_ref,
                 samples_per_step=samples, mini_batch_samples=mini, num_mini_batches=n_mini,
-                micro_batch_size=micro, total_steps=cfg.trainer.total_steps, world=world)
+                micro_batch_size=micro, total_steps=cfg.trainer.total_steps, world=world,
+                recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy)
 
 
 def _check_names(cfg: RunConfig) -> None:
@@ -93,8 +97,12 @@ def _check_names(cfg: RunConfig) -> None:
     _one_of("algorithm.kl.controller", a.kl.controller, ["fixed", "adaptive"])
     _one_of("rollout.engine", cfg.rollout.engine, list(ENGINES))
     _one_of("cluster.backend", cfg.cluster.backend, ["ray", "local"])
-    for role, optim in (("actor", cfg.actor.optim), ("critic", cfg.critic.optim)):
-        _one_of(f"{role}.optim.schedule", optim.schedule, ["constant", "linear", "cosine"])
+    for role, sub in (("actor", cfg.actor), ("critic", cfg.critic)):
+        _one_of(f"{role}.optim.schedule", sub.optim.schedule, ["constant", "linear", "cosine"])
+        _one_of(f"{role}.sharding", sub.sharding, ["none", "fsdp2"])
+    _one_of("trainer.on_nonfinite", cfg.trainer.on_nonfinite, ["skip", "abort"])
+    _one_of("algorithm.recompute_logprobs", a.recompute_logprobs, ["auto", "always"])
+    _one_of("trainer.delta_checkpoints", cfg.trainer.delta_checkpoints, ["off", "exact", "int8"])
     if a.dual_clip is not None and a.dual_clip <= 1.0:
         raise ConfigError(f"algorithm.dual_clip must be > 1 (Ye et al. 2020 use 3), got {a.dual_clip}")
     if cfg.trainer.total_steps is None and cfg.trainer.total_epochs is None:

@@ -95,6 +95,9 @@ class AlgorithmConfig:
     """Prompts per optimiser step; None = all prompts of the step (one update per epoch)."""
     micro_batch_size: int = 8
     """Samples per data-parallel rank per forward/backward."""
+    recompute_logprobs: str = "auto"
+    """auto | always. Fully on-policy updates (1 epoch, 1 mini-batch) need no separate old-logprob pass: the
+    importance ratio is exactly 1, so `auto` uses the update's own detached log-probs as the old ones."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +116,9 @@ class OptimConfig:
 @dataclass(frozen=True, kw_only=True)
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
+    sharding: str = "none"
+    """none (each data-parallel rank holds the full model; gradients all-reduced) | fsdp2 (GPU: parameters,
+    gradients and optimiser state sharded with FSDP2; a colocated rollout unshards once per generate)."""
     logprob_chunk: int | None = None
     """Tokens per chunk when computing log-softmax over the vocabulary (None = whole sequence at once)."""
 
@@ -120,6 +126,8 @@ class ActorConfig:
 @dataclass(frozen=True, kw_only=True)
 class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    sharding: str = "none"
+    """none | fsdp2, as for the actor."""
     warmup_steps: int = 0
     """RL steps during which only the critic is updated (actor frozen)."""
 

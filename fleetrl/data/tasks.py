@@ -57,3 +57,20 @@ def copy_task(n: int = 512, split: str = "train", seed: int = 0, noise: int = 2)
 def next_task(n: int = 512, split: str = "train", seed: int = 0, noise: int = 2) -> list[dict]:
     """`next a b 7 =` -> `8`: answer with the digit after the given one (mod 10)."""
     return _digit_rows("next", n=n, split=split, seed=seed, noise=noise)
+
+
+_WORDS = ("time year people way day man thing woman life child world school state family student group country "
+          "problem hand part place case week company system program question work government number night point "
+          "home water room mother area money story fact month lot right study book eye job word business issue "
+          "side kind head house service friend father power hour game line end member law car city community name").split()
+
+
+@register_synthetic("lorem")
+def lorem_task(n: int = 512, words: int = 120, seed: int = 0, split: str = "train") -> list[dict]:
+    """Prompts of `words` random common words (about one token each with BPE vocabularies), for throughput
+    benchmarks; the ground truth is a random word (a reward function decides what counts)."""
+    rng = random.Random(f"{seed}-lorem-{split}")
+    return [{"data_source": "synthetic/lorem",
+             "prompt": [{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(words))}],
+             "reward_model": {"ground_truth": rng.choice(_WORDS)}, "extra_info": {"index": i}}
+            for i in range(n)]

@@ -15,7 +15,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from fleetrl.models import tiny
+from fleetrl.models import shapes, tiny
 
 TINY_PREFIX = "tiny:"
 GGUF_PREFIX = "gguf:"
@@ -37,6 +37,8 @@ def load_tokenizer(path_or_id: str, *, trust_remote_code: bool = False) -> PreTr
     if path_or_id.startswith(TINY_PREFIX):
         _parse_tiny(path_or_id)  # validate the spec even though the tokenizer ignores model sizes
         return tiny.build_tiny_tokenizer()
+    if path_or_id.startswith((shapes.QWEN_TOKENIZER_PREFIX, shapes.RANDOM_PREFIX)):
+        return shapes.qwen_tokenizer()  # random:qwen2.5-* models use the Qwen2.5 vocabulary
     source, kwargs = _resolve(path_or_id)
     tokenizer = _from_pretrained(AutoTokenizer, "tokenizer", path_or_id, source,
                                  trust_remote_code=trust_remote_code, **kwargs)
@@ -60,6 +62,8 @@ def load_causal_lm(
     torch_dtype = DTYPES[dtype]
     if path_or_id.startswith(TINY_PREFIX):
         return tiny.build_tiny_model(tiny.build_tiny_tokenizer(), **_parse_tiny(path_or_id)).to(torch_dtype)
+    if path_or_id.startswith(shapes.RANDOM_PREFIX):
+        return shapes.random_model(path_or_id, torch_dtype).eval()
     source, kwargs = _resolve(path_or_id, gguf_file)
     if "gguf_file" in kwargs:
         _require("accelerate", path_or_id)  # transformers loads GGUF weights through accelerate

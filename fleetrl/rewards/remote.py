@@ -60,8 +60,13 @@ class RemoteRewardClient:
             raise RemoteRewardError("reward server check failed: " + "; ".join(problems) + f". {START_HINT}")
 
     def score(self, responses: list[str], ground_truths: list, data_sources: list[str],
-              extra_infos: list[dict]) -> RewardResult:
-        """One score per response, in order; same arguments and result as RewardRunner.score."""
+              extra_infos: list[dict]) -> list[float]:
+        """One score per response, in order (a sample the server's scorer failed on gets its default score)."""
+        return self.score_result(responses, ground_truths, data_sources, extra_infos).scores
+
+    def score_result(self, responses: list[str], ground_truths: list, data_sources: list[str],
+                     extra_infos: list[dict]) -> RewardResult:
+        """Like score, with the servers' error and timeout counts: the same result as RewardRunner.score."""
         n = len(responses)
         if not (len(ground_truths) == len(data_sources) == len(extra_infos) == n):
             raise ValueError(f"RemoteRewardClient.score: lengths differ (responses {n}, ground_truths "

@@ -37,10 +37,11 @@ def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, cfg:
     m["train/response_clip_ratio"] = float(np.mean([f == "length" for f in batch["finish_reason"]]))
     m["train/prompt_length_mean"] = float(batch["prompt_mask"].sum(-1).float().mean())
     fmask = mask.float()
-    m["train/entropy"] = float(masked_mean(batch["entropy"], fmask))
-    diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * fmask
-    m["train/rollout_logprob_diff_mean"] = float(diff.sum() / fmask.sum().clamp(min=1))
-    m["train/rollout_logprob_diff_max"] = float(diff.max())
+    if "old_logprobs" in batch:  # else the actor update reported both (train/actor/entropy, ...diff_mean)
+        m["train/entropy"] = float(masked_mean(batch["entropy"], fmask))
+        diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * fmask
+        m["train/rollout_logprob_diff_mean"] = float(diff.sum() / fmask.sum().clamp(min=1))
+        m["train/rollout_logprob_diff_max"] = float(diff.max())
     if "kl" in batch.meta:
         m["train/kl"] = float(batch.meta["kl"])
     m["train/advantage_mean"] = float(masked_mean(batch["advantages"], fmask))

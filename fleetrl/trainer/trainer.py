@@ -98,7 +98,8 @@ class Trainer:
     def logprobs(self, batch: Batch) -> Batch:
         with self._timed("logprobs"):
             seq = batch.pick("prompts", "prompt_mask", "responses", "response_mask")
-            batch = batch.update(self.group("actor").call_split(Worker.compute_logprobs, seq))
+            if self.plan.recompute_logprobs:
+                batch = batch.update(self.group("actor").call_split(Worker.compute_logprobs, seq))
             if self.plan.use_ref:
                 batch = batch.update(self.group("ref").call_split(Worker.compute_ref_logprobs, seq))
             return batch
@@ -115,11 +116,13 @@ class Trainer:
         mask = batch["response_mask"].float()
         token_rewards = None
         if self.plan.use_ref:
-            kl_bt = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algo.kl.estimator) * mask
+            # Without a recompute pass the rollout's own log-probs stand for the policy's (same weights).
+            logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
+            kl_bt = kl_estimate(logp, batch["ref_logprobs"], algo.kl.estimator) * mask
             seq_kl = float(masked_mean(kl_bt, mask))
             batch.meta["kl"] = seq_kl
             if algo.kl.placement == "reward":
-                token_rewards, _ = apply_kl_penalty(batch["scores"], batch["old_logprobs"], batch["ref_logprobs"],
+                token_rewards, _ = apply_kl_penalty(batch["scores"], logp, batch["ref_logprobs"],
                                                     mask, self.kl_ctl.coef, algo.kl.estimator)
             self.kl_ctl.update(seq_kl, len(batch))
         inputs = AdvantageInputs(scores_B=batch["scores"], mask_BT=mask, group_B=batch["group"],
@@ -130,7 +133,8 @@ class Trainer:
 
     def update(self, batch: Batch) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        keys = ["prompts", "prompt_mask", "responses", "response_mask", "old_logprobs", "advantages"]
+        keys = ["prompts", "prompt_mask", "responses", "response_mask", "advantages",
+                "old_logprobs" if self.plan.recompute_logprobs else "rollout_logprobs"]
         if self.cfg.algorithm.kl.placement == "loss":
             keys.append("ref_logprobs")
         if self.plan.use_critic:
@@ -141,7 +145,11 @@ class Trainer:
         if self.step >= self.cfg.critic.warmup_steps or not self.plan.use_critic:
             with self._timed("update_actor"):
                 metrics.update(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
-        return {f"train/{k}": v for k, v in metrics.items()}
+        out = {f"train/{k}": v for k, v in metrics.items()}
+        for key in ("entropy", "rollout_logprob_diff_mean"):  # reported by an on-policy update
+            if f"train/actor/{key}" in out:
+                out[f"train/{key}"] = out.pop(f"train/actor/{key}")
+        return out
 
     def _update_role(self, role: str, batch: Batch, method) -> dict[str, float]:
         plan = self.plan

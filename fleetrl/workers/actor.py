@@ -62,7 +62,7 @@ class ActorComponent:
         if plan.total_steps:
             steps = plan.total_steps * plan.num_mini_batches * ctx.cfg.algorithm.ppo_epochs
         self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info, total_optimizer_steps=steps,
-                                     device=ctx.device(), sharded=True)
+                                     device=ctx.device(), sharded=ctx.cfg.actor.sharding == "fsdp2")
 
     def compute_logprobs(self, batch: Batch) -> Batch:
         out = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
@@ -93,25 +93,35 @@ class ActorComponent:
         cfg = self.ctx.cfg
         algo = cfg.algorithm
         mb = mb.to(self.ctx.device())
-        need_entropy = algo.entropy_coef > 0
+        on_policy = "old_logprobs" not in mb
+        need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here
         logp, ent = sequence_logprobs(self.model, mb["prompts"], mb["prompt_mask"], mb["responses"],
                                       mb["response_mask"], temperature=gen_temperature(self.ctx),
                                       return_entropy=need_entropy, chunk_size=cfg.actor.logprob_chunk)
         mask = mb["response_mask"].float()
         agg = dict(agg=algo.loss_agg, **counts)
+        # On-policy (no recompute pass): old = this forward's own detached log-probs, so the ratio is exactly 1
+        # and the gradient is the policy gradient.
+        old = logp.detach().float() if on_policy else mb["old_logprobs"]
         loss, m = POLICY_LOSSES.get(algo.policy_loss)(
-            logp.float(), mb["old_logprobs"], mb["advantages"], mask, clip_low=algo.clip_low,
+            logp.float(), old, mb["advantages"], mask, clip_low=algo.clip_low,
             clip_high=algo.clip_high, dual_clip=algo.dual_clip, **agg)
         # Metrics are returned as shares of the global mean: the micro-batch's token fraction weights them,
         # so summing over micro-batches and ranks gives the mini-batch mean.
         share = float(mask.sum()) / max(float(counts["num_tokens"]), 1.0)
         metrics = {"pg_loss": float(loss.detach())}
         metrics.update({k: float(v) * share for k, v in m.items()})
+        if on_policy:
+            with torch.no_grad():
+                tokens = mask.sum().clamp(min=1)
+                metrics["entropy"] = float((ent.float() * mask).sum() / tokens) * share
+                diff = (logp.float() - mb["rollout_logprobs"]).abs() * mask
+                metrics["rollout_logprob_diff_mean"] = float(diff.sum() / tokens) * share
         if algo.kl.placement == "loss":
             kl, _ = kl_loss(logp.float(), mb["ref_logprobs"], mask, kind=algo.kl.estimator, **agg)
             loss = loss + mb.meta["kl_coef"] * kl
             metrics["kl_loss"] = float(kl.detach())
-        if need_entropy:
+        if algo.entropy_coef > 0:
             ent_term = entropy_loss(ent.float(), mask, **agg)
             loss = loss - algo.entropy_coef * ent_term
             metrics["entropy_bonus"] = float(ent_term.detach())

@@ -29,7 +29,8 @@ class CriticComponent:
         if plan.total_steps:
             steps = plan.total_steps * plan.num_mini_batches * ctx.cfg.algorithm.ppo_epochs
         self.engine = TrainingEngine(self.model, ctx.cfg.critic.optim, dist_info=dist_info,
-                                     total_optimizer_steps=steps, device=ctx.device(), sharded=True)
+                                     total_optimizer_steps=steps, device=ctx.device(),
+                                     sharded=ctx.cfg.critic.sharding == "fsdp2")
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:

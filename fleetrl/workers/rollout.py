@@ -1,12 +1,33 @@
 """Rollout component: a rollout engine over the actor's own model (colocated) or its own copy (separate pool)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from fleetrl.batch import Batch
 from fleetrl.engines.protocol import RolloutEngine, SamplingParams
 from fleetrl.models.hf import load_tokenizer
 from fleetrl.workers.context import WorkerContext
+
+
+@contextmanager
+def unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """FSDP2-sharded actor: gather every parameter group once for the whole generate call (otherwise each
+    decode step would all-gather, and ranks that finish at different steps would deadlock), reshard after."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in groups:
+        m.set_reshard_after_forward(False)  # keep the gathered weights across decode steps
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in groups:
+            m.reshard()
+            m.set_reshard_after_forward(True)
 
 
 def make_engine(name: str, model: torch.nn.Module, tokenizer, device: torch.device, seed: int) -> RolloutEngine:
@@ -42,7 +63,8 @@ class RolloutComponent:
             max_new_tokens=r.max_new_tokens, temperature=meta.get("temperature", r.temperature),
             top_p=meta.get("top_p", r.top_p), top_k=meta.get("top_k", r.top_k), stop_token_ids=r.stop_token_ids,
             stop_strings=r.stop, seed=None if meta.get("seed") is None else meta["seed"] * 1009 + self.ctx.rank)
-        out = self.engine.generate(batch["prompts"], batch["prompt_mask"], params)
+        with unsharded(self.model):
+            out = self.engine.generate(batch["prompts"], batch["prompt_mask"], params)
         return Batch({"responses": out.responses.cpu(), "response_mask": out.response_mask.long().cpu(),
                       "rollout_logprobs": out.logprobs.float().cpu()},
                      {"finish_reason": list(out.finish_reasons)})

@@ -67,12 +67,12 @@ def head():
         workdir.mkdir()
         yield {"url": url, "token": token, "root": root, "workdir": workdir, "state": state}
     finally:
-        pid = (read_state(state) or type("S", (), {"pid": None})).pid
+        recorded = read_state(state)
         subprocess.run(CLI + ["cluster", "down", "--state-file", str(state)], env=env, capture_output=True,
                        timeout=60)
-        if pid is not None:
-            assert live_group_members(pid) == []  # everything `cluster up` started is gone
+        left = live_group_members(recorded.pid) if recorded else []
         shutil.rmtree(root, ignore_errors=True)
+        assert left == []  # everything `cluster up` started is gone
 
 
 def _cli(*args: str):

