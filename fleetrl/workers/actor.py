@@ -53,16 +53,42 @@ def gen_temperature(ctx: WorkerContext) -> float:
     return t if t > 0 else 1.0
 
 
+def optimizer_steps(ctx: WorkerContext) -> int | None:
+    """Optimiser steps of the whole run (for the LR schedule): steps × mini-batches × epochs."""
+    plan = ctx.plan
+    return plan.total_steps * plan.num_mini_batches * ctx.cfg.algorithm.ppo_epochs if plan.total_steps else None
+
+
+def run_update(engine: TrainingEngine, batch: Batch, ctx: WorkerContext, loss_fn, prefix: str) -> dict[str, float]:
+    """PPO-style epochs × mini-batches of optimiser steps over this rank's batch.
+
+    `batch` is this rank's share of every mini-batch in mini-batch order (the controller arranged it), with the
+    GLOBAL token/sequence counts of each mini-batch in meta, so losses are normalised as for the full batch.
+    Returns metrics averaged over optimiser steps, plus the count of skipped (non-finite) updates.
+    """
+    plan, epochs = ctx.plan, ctx.cfg.algorithm.ppo_epochs
+    minis = batch.chunk(plan.num_mini_batches)
+    sums: dict[str, float] = {}
+    for _ in range(epochs):
+        for m, mini in enumerate(minis):
+            counts = {"num_tokens": batch.meta["mini_num_tokens"][m], "num_seqs": batch.meta["mini_num_seqs"][m],
+                      "norm_len": batch.meta["norm_len"]}
+            metrics = engine.step(iter(micro_batches(mini, plan.micro_batch_size)), lambda mb: loss_fn(mb, counts))
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+    steps = plan.num_mini_batches * epochs
+    out = {f"{prefix}/{k}": v / steps for k, v in sums.items() if k != "skipped"}
+    out[f"{prefix}/skipped_updates"] = sums.get("skipped", 0.0)
+    return out
+
+
 class ActorComponent:
     def __init__(self, ctx: WorkerContext, model: torch.nn.Module, dist_info: DistInfo) -> None:
         self.ctx = ctx
         self.model = model
-        plan = ctx.plan
-        steps = None
-        if plan.total_steps:
-            steps = plan.total_steps * plan.num_mini_batches * ctx.cfg.algorithm.ppo_epochs
-        self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info, total_optimizer_steps=steps,
-                                     device=ctx.device(), sharded=ctx.cfg.actor.sharding == "fsdp2")
+        self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info,
+                                     total_optimizer_steps=optimizer_steps(ctx), device=ctx.device(),
+                                     sharded=ctx.cfg.actor.sharding == "fsdp2")
 
     def compute_logprobs(self, batch: Batch) -> Batch:
         out = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
@@ -71,23 +97,7 @@ class ActorComponent:
         return Batch({"old_logprobs": out["logprobs"], "entropy": out["entropy"]})
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """batch = this rank's share of every mini-batch, in mini-batch order (the controller arranged it)."""
-        plan, algo = self.ctx.plan, self.ctx.cfg.algorithm
-        n_mini = plan.num_mini_batches
-        minis = batch.chunk(n_mini)
-        sums: dict[str, float] = {}
-        for _ in range(algo.ppo_epochs):
-            for m, mini in enumerate(minis):
-                counts = {"num_tokens": batch.meta["mini_num_tokens"][m], "num_seqs": batch.meta["mini_num_seqs"][m],
-                          "norm_len": batch.meta["norm_len"]}
-                metrics = self.engine.step(iter(micro_batches(mini, plan.micro_batch_size)),
-                                           lambda mb: self._loss(mb, counts))
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
-        steps = n_mini * algo.ppo_epochs
-        out = {f"actor/{k}": v / steps for k, v in sums.items() if k not in ("skipped",)}
-        out["actor/skipped_updates"] = sums.get("skipped", 0.0)
-        return out
+        return run_update(self.engine, batch, self.ctx, self._loss, "actor")
 
     def _loss(self, mb: Batch, counts: dict) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.ctx.cfg

@@ -8,7 +8,7 @@ from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models.logprobs import build_inputs
 from fleetrl.models.value_head import build_critic
-from fleetrl.workers.actor import load_policy_model, micro_batches
+from fleetrl.workers.actor import load_policy_model, micro_batches, optimizer_steps, run_update
 from fleetrl.workers.context import WorkerContext
 
 
@@ -24,12 +24,8 @@ class CriticComponent:
     def __init__(self, ctx: WorkerContext, dist_info: DistInfo) -> None:
         self.ctx = ctx
         self.model = build_critic(load_policy_model(ctx)).to(ctx.device())
-        plan = ctx.plan
-        steps = None
-        if plan.total_steps:
-            steps = plan.total_steps * plan.num_mini_batches * ctx.cfg.algorithm.ppo_epochs
         self.engine = TrainingEngine(self.model, ctx.cfg.critic.optim, dist_info=dist_info,
-                                     total_optimizer_steps=steps, device=ctx.device(),
+                                     total_optimizer_steps=optimizer_steps(ctx), device=ctx.device(),
                                      sharded=ctx.cfg.critic.sharding == "fsdp2")
 
     @torch.no_grad()
@@ -40,19 +36,7 @@ class CriticComponent:
         return Batch({"values": torch.cat(out)})
 
     def update(self, batch: Batch) -> dict[str, float]:
-        plan, algo = self.ctx.plan, self.ctx.cfg.algorithm
-        minis = batch.chunk(plan.num_mini_batches)
-        sums: dict[str, float] = {}
-        for _ in range(algo.ppo_epochs):
-            for m, mini in enumerate(minis):
-                counts = {"num_tokens": batch.meta["mini_num_tokens"][m], "num_seqs": batch.meta["mini_num_seqs"][m],
-                          "norm_len": batch.meta["norm_len"]}
-                metrics = self.engine.step(iter(micro_batches(mini, plan.micro_batch_size)),
-                                           lambda mb: self._loss(mb, counts))
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
-        steps = plan.num_mini_batches * algo.ppo_epochs
-        return {f"critic/{k}": v / steps for k, v in sums.items()}
+        return run_update(self.engine, batch, self.ctx, self._loss, "critic")
 
     def _loss(self, mb: Batch, counts: dict) -> tuple[torch.Tensor, dict[str, float]]:
         mb = mb.to(self.ctx.device())
