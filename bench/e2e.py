@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--config", default="bench/e2e_grpo.yaml")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench"))
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name (for variants)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     g = args.gpus
@@ -54,9 +55,9 @@ def main() -> None:
         "step_s": step, "tokens_per_step": tokens, "tokens_per_s_per_gpu": tokens / step / g,
         "phases_s": {p: statistics.mean(r.get(f"train/time/{p}", 0.0) for r in rows) for p in PHASES},
         "rollout_logprob_diff_mean": statistics.mean(r["train/rollout_logprob_diff_mean"] for r in rows),
-        "wall_s": time.time() - t0, "overrides": overrides,
+        "wall_s": time.time() - t0, "overrides": overrides, "tag": args.tag,
     }
-    out = Path(args.out) / f"e2e_grpo_{g}gpu_{args.engine}.json"
+    out = Path(args.out) / f"e2e_grpo_{g}gpu_{args.engine}{args.tag}.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"e2e GRPO {g} GPU(s), engine={args.engine}: {step:.2f} s/step, "
           f"{result['tokens_per_s_per_gpu']:.0f} tokens/s/GPU; phases " +

@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -22,6 +22,12 @@ for p in $PARTS; do case $p in
   e2ehf) run e2ehf 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine hf --steps 3 --warmup 1 --out "$OUT" ;;
   e2e2) run e2e2 200 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 6 --out "$OUT" ;;
   e2e4) run e2e4 200 python3 bench/e2e.py --gpus 4 --engine fast --steps 6 --out "$OUT" ;;
+  variants)  # training-side settings of the 1-GPU step
+    for v in "chunknone_mb32:actor.logprob_chunk=null" "chunknone_mb64:actor.logprob_chunk=null algorithm.micro_batch_size=64" \
+             "chunk512_mb64:algorithm.micro_batch_size=64"; do
+      tag=${v%%:*}; run "e2e1_$tag" 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
+        --tag "_$tag" --out "$OUT" ${v#*:}
+    done ;;
   trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
 esac; done
 python3 - "$OUT" <<'PY'
