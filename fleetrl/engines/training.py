@@ -101,6 +101,24 @@ class TrainingEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return {**totals, "grad_norm": norm, "lr": lr}
 
+    def offload_optimizer(self) -> None:
+        """Moves optimiser state (Adam moments: 2× the parameters in fp32/bf16) to CPU while a colocated phase
+        such as generation needs the GPU memory; `onload_optimizer` brings it back before the next step."""
+        self._move_optimizer_state("cpu")
+
+    def onload_optimizer(self) -> None:
+        self._move_optimizer_state(self.device)
+
+    def _move_optimizer_state(self, device: torch.device | str) -> None:
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                # "step" stays where it is: fused/foreach Adam keep it as a CPU (or device) scalar by design.
+                if torch.is_tensor(v) and k != "step":
+                    state[k] = v.to(device, non_blocking=True)
+        if torch.device(device).type == "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     def _all_reduce_grads(self) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self.model.parameters():

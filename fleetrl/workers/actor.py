@@ -22,8 +22,34 @@ def load_policy_model(ctx: WorkerContext) -> torch.nn.Module:
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    """Consecutive micro-batches, each with the padding columns that ALL its rows share removed (prompt columns
+    on the left, response columns on the right): a batch padded to its longest sample wastes compute on every
+    shorter micro-batch otherwise. Outputs per response token are padded back with `pad_response`."""
     n = len(batch)
-    return [batch.select(range(i, min(i + size, n))) for i in range(0, n, size)]
+    return [trim_padding(batch.select(range(i, min(i + size, n)))) for i in range(0, n, size)]
+
+
+def trim_padding(mb: Batch) -> Batch:
+    if "prompt_mask" not in mb or "response_mask" not in mb:
+        return mb
+    p_cols = mb["prompt_mask"].any(0).nonzero()
+    r_cols = mb["response_mask"].any(0).nonzero()
+    p0 = int(p_cols[0]) if len(p_cols) else mb["prompt_mask"].shape[1] - 1
+    r1 = int(r_cols[-1]) + 1 if len(r_cols) else 1
+    full_r = mb["response_mask"].shape[1]
+    tensors = {}
+    for k, v in mb.tensors.items():
+        if k in ("prompts", "prompt_mask"):
+            tensors[k] = v[:, p0:]
+        elif v.dim() >= 2 and v.shape[1] == full_r:
+            tensors[k] = v[:, :r1]
+        else:
+            tensors[k] = v
+    return Batch(tensors, dict(mb.fields), {**mb.meta, "full_response_len": full_r})
+
+
+def pad_response(x_BR: torch.Tensor, full_r: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x_BR, (0, full_r - x_BR.shape[1]))
 
 
 @torch.no_grad()
@@ -37,9 +63,10 @@ def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temper
         mb = mb.to(device)
         lp, ent = sequence_logprobs(model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
                                     temperature=temperature, return_entropy=entropy, chunk_size=chunk)
-        logps.append(lp.float().cpu())
+        full_r = mb.meta.get("full_response_len", lp.shape[1])
+        logps.append(pad_response(lp.float().cpu(), full_r))
         if entropy:
-            ents.append(ent.float().cpu())
+            ents.append(pad_response(ent.float().cpu(), full_r))
     out = {"logprobs": torch.cat(logps)}
     if entropy:
         out["entropy"] = torch.cat(ents)

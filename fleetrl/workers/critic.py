@@ -8,7 +8,7 @@ from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models.logprobs import build_inputs
 from fleetrl.models.value_head import build_critic
-from fleetrl.workers.actor import load_policy_model, micro_batches, optimizer_steps, run_update
+from fleetrl.workers.actor import load_policy_model, micro_batches, optimizer_steps, pad_response, run_update
 from fleetrl.workers.context import WorkerContext
 
 
@@ -31,7 +31,8 @@ class CriticComponent:
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
-        out = [response_values(self.model, mb.to(self.ctx.device())).cpu()
+        out = [pad_response(response_values(self.model, mb.to(self.ctx.device())).cpu(),
+                            mb.meta.get("full_response_len", mb["responses"].shape[1]))
                for mb in micro_batches(batch, self.ctx.plan.micro_batch_size)]
         return Batch({"values": torch.cat(out)})
 

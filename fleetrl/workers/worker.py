@@ -82,7 +82,14 @@ class Worker:
 
     # ------------------------------------------------------------------ verbs
     def generate(self, batch: Batch) -> Batch:
-        return self._need("rollout").generate(batch)
+        offload = self.actor is not None and self.ctx.cfg.actor.offload_optimizer
+        if offload:
+            self.actor.engine.offload_optimizer()
+        try:
+            return self._need("rollout").generate(batch)
+        finally:
+            if offload:
+                self.actor.engine.onload_optimizer()
 
     def compute_logprobs(self, batch: Batch) -> Batch:
         return self._need("actor").compute_logprobs(batch)
