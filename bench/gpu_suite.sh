@@ -28,6 +28,12 @@ for p in $PARTS; do case $p in
       tag=${v%%:*}; run "e2e1_$tag" 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
         --tag "_$tag" --out "$OUT" ${v#*:}
     done ;;
+  compile) run e2e1_compile 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 7 --warmup 3 \
+      --tag _compile --out "$OUT" actor.compile=true ;;
+  fsdp2)  # FSDP2-sharded actor on 2 GPUs, colocated rollout unsharding once per generate
+    run e2e2_fsdp2 150 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 5 --tag _fsdp2 \
+      --out "$OUT" actor.sharding=fsdp2
+ ;;
   trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
 esac; done
 python3 - "$OUT" <<'PY'

@@ -121,6 +121,8 @@ class ActorConfig:
     gradients and optimiser state sharded with FSDP2; a colocated rollout unshards once per generate)."""
     logprob_chunk: int | None = None
     """Tokens per chunk when computing log-softmax over the vocabulary (None = whole sequence at once)."""
+    compile: bool = False
+    """torch.compile each decoder layer for the training forward/backward (GPU; the first step compiles)."""
     offload_optimizer: bool = False
     """Move the optimiser state to CPU memory during generation (colocated rollout) and back for the update."""
 

@@ -13,12 +13,20 @@ from fleetrl.models.logprobs import sequence_logprobs
 from fleetrl.workers.context import WorkerContext
 
 
-def load_policy_model(ctx: WorkerContext) -> torch.nn.Module:
+def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.nn.Module:
     m = ctx.cfg.model
     model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
     if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
-    return model.to(ctx.device())
+    model = model.to(ctx.device())
+    if trainable and ctx.cfg.actor.compile and ctx.device().type == "cuda":
+        # Per decoder layer rather than the whole model: one graph reused by every layer, no graph breaks
+        # from the HF wrapper code, and the fast rollout engine (own forward) is unaffected.
+        from fleetrl.engines.training import _decoder_layers
+
+        for layer in _decoder_layers(model):
+            layer.compile(dynamic=True)
+    return model
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
@@ -117,9 +125,15 @@ class ActorComponent:
                                      total_optimizer_steps=optimizer_steps(ctx), device=ctx.device(),
                                      sharded=ctx.cfg.actor.sharding == "fsdp2")
 
+    @property
+    def chunk(self) -> int | None:
+        # The chunked path calls the backbone and LM head directly, bypassing the root FSDP2 module's hooks
+        # that gather the embedding and head; sharded models go through model(...) unchunked.
+        return None if self.engine.sharded else self.ctx.cfg.actor.logprob_chunk
+
     def compute_logprobs(self, batch: Batch) -> Batch:
         out = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
-                               temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
+                               temperature=gen_temperature(self.ctx), chunk=self.chunk,
                                entropy=True)
         return Batch({"old_logprobs": out["logprobs"], "entropy": out["entropy"]})
 
@@ -134,7 +148,7 @@ class ActorComponent:
         need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here
         logp, ent = sequence_logprobs(self.model, mb["prompts"], mb["prompt_mask"], mb["responses"],
                                       mb["response_mask"], temperature=gen_temperature(self.ctx),
-                                      return_entropy=need_entropy, chunk_size=cfg.actor.logprob_chunk)
+                                      return_entropy=need_entropy, chunk_size=self.chunk)
         mask = mb["response_mask"].float()
         agg = dict(agg=algo.loss_agg, **counts)
         # On-policy (no recompute pass): old = this forward's own detached log-probs, so the ratio is exactly 1

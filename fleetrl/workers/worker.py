@@ -66,7 +66,7 @@ class Worker:
         roles = set(ctx.roles)
         model = None
         if "actor" in roles or "rollout" in roles:
-            model = load_policy_model(ctx)
+            model = load_policy_model(ctx, trainable="actor" in roles)
         if "actor" in roles:
             self.actor = ActorComponent(ctx, model, info)
         if "rollout" in roles:
