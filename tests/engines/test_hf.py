@@ -10,15 +10,6 @@ TOK = build_tiny_tokenizer()
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_torch_thread():
-    # tiny models gain nothing from intra-op threads; OpenMP spin-waiting on a busy 2-core box costs 10x
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _prompts():
     texts = [TOK.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
              for c in ("copy a b c", "add 1 2")]
