@@ -30,6 +30,7 @@ def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, cfg:
     m["train/reward_std"] = float(scores.std())
     for ds, vals in _by_source(batch["data_source"], scores).items():
         m[f"train/reward/{ds}/mean"] = float(np.mean(vals))
+        m[f"train/reward/{ds}/std"] = float(np.std(vals))
     mask = batch["response_mask"]
     lengths = mask.sum(-1).float()
     m["train/response_length_mean"] = float(lengths.mean())
