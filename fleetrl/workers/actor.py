@@ -25,7 +25,7 @@ def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.n
         from fleetrl.engines.training import _decoder_layers
 
         for layer in _decoder_layers(model):
-            layer.compile(dynamic=True)
+            layer.compile(dynamic=False)  # static shapes: dynamic=True measured slower on H200
     return model
 
 
