@@ -5,7 +5,6 @@ from __future__ import annotations
 import ray
 
 from fleetrl.cluster.group import WorkerGroup
-from fleetrl.workers.worker import Worker
 
 BUCKET_BYTES = 64 << 20
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fleetrl.checkpoint.manager import find_resume
-from tests.integration.helpers import read_metrics, train_run
+from tests.integration.helpers import train_run
 
 pytestmark = pytest.mark.slow
 BASE = ("model.path=tiny:", "data.prompts_per_step=8", "rollout.n=4", "algorithm.mini_batch_prompts=4",

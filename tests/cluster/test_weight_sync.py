@@ -1,6 +1,5 @@
 """Separate rollout pool: after a weight sync the rollout generates with the new weights (its logprobs equal
 the trainer's), a stale engine refuses to generate, and a stalled receiver is a timeout error, not a hang."""
-import os
 import signal
 import time
 

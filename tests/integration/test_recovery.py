@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from tests.integration.helpers import read_metrics, train_run
+from tests.integration.helpers import train_run
 
 pytestmark = pytest.mark.slow
 
