@@ -16,7 +16,7 @@ console = Console()
 
 
 def _fail(e: Exception) -> None:
-    console.print(f"[bold red]error:[/] {e}")
+    console.print(f"[bold red]error:[/] {e}", soft_wrap=True, highlight=False)
     raise typer.Exit(2)
 
 

@@ -1,0 +1,16 @@
+import pytest
+
+from fleetrl.trainer.metrics import pass_at_k, rank_reduce
+
+
+def test_rank_reduce_sums_shares_and_keeps_rank0_norms():
+    ranks = [{"actor/pg_loss": 0.25, "actor/clip_frac": 0.1, "actor/grad_norm": 2.0, "actor/lr": 1e-3},
+             {"actor/pg_loss": 0.5, "actor/clip_frac": 0.3, "actor/grad_norm": 2.0, "actor/lr": 1e-3}]
+    out = rank_reduce(ranks)
+    assert out == pytest.approx({"actor/pg_loss": 0.75, "actor/clip_frac": 0.4, "actor/grad_norm": 2.0,
+                                 "actor/lr": 1e-3})
+
+
+def test_pass_at_k_hand_computed():
+    # prompt 1 has a success among its 3 samples, prompt 2 none, prompt 3 all: 2 of 3 prompts pass
+    assert pass_at_k([[0, 1, 0], [0, 0, 0.5], [1, 1, 1]]) == pytest.approx(2 / 3)
