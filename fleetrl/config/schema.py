@@ -150,6 +150,8 @@ class RewardsConfig:
     remote_urls: tuple[str, ...] = ()
     """Remote reward servers (`fleetrl serve-reward`); when set they score every sample."""
     remote_token: str | None = None
+    remote_timeout_s: float = 120.0
+    """HTTP timeout of one batched request to a reward server (the server applies timeout_s per sample)."""
 
 
 @dataclass(frozen=True, kw_only=True)

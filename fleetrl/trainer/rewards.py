@@ -23,7 +23,7 @@ class RewardScorer:
         if r.remote_urls:
             from fleetrl.rewards.remote import RemoteRewardClient
 
-            self.remote = RemoteRewardClient(list(r.remote_urls), token=r.remote_token, timeout_s=r.timeout_s)
+            self.remote = RemoteRewardClient(list(r.remote_urls), token=r.remote_token, timeout_s=r.remote_timeout_s)
             self.remote.check_health()  # refuse to start training against a server that is down
         self.router = RewardRouter({**BUILTIN_SOURCES, **r.sources}, default=r.default)
         self.runner = RewardRunner(self.router, timeout_s=r.timeout_s, default_score=r.default_score,
@@ -40,9 +40,6 @@ class RewardScorer:
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         texts = self.decode(batch)
         args = (texts, list(batch["ground_truth"]), list(batch["data_source"]), list(batch["extra_info"]))
-        if self.remote is not None:
-            scores = self.remote.score(*args)
-            return torch.tensor(scores, dtype=torch.float32), {"reward_errors": 0.0, "reward_timeouts": 0.0}
-        result = self.runner.score(*args)
+        result = self.remote.score_result(*args) if self.remote is not None else self.runner.score(*args)
         stats = {"reward_errors": float(result.num_errors), "reward_timeouts": float(result.num_timeouts)}
         return torch.tensor(result.scores, dtype=torch.float32), stats
