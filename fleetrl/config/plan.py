@@ -5,6 +5,7 @@ re-derives these numbers or mutates the config.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass, field
 
@@ -66,6 +67,12 @@ class Plan:
 
 def derive_plan(cfg: RunConfig) -> Plan:
     _check_names(cfg)
+    fallback = _fallback_config(cfg)
+    if fallback is not None:  # checked now, not at the moment a node is lost
+        try:
+            derive_plan(fallback)
+        except ConfigError as e:
+            raise ConfigError(f"the fallback placement (cluster.fallback_pools / fallback_roles) is invalid: {e}") from None
     _check_sampling(cfg)
     use_critic = cfg.algorithm.advantage == "gae"
     use_ref = cfg.algorithm.kl.placement != "none"
@@ -83,6 +90,21 @@ def derive_plan(cfg: RunConfig) -> Plan:
                 samples_per_step=samples, mini_batch_samples=mini, num_mini_batches=n_mini,
                 micro_batch_size=micro, total_steps=cfg.trainer.total_steps, world=world,
                 recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy)
+
+
+def fallback_plan(plan: Plan) -> Plan | None:
+    """The Plan of cluster.fallback_pools/fallback_roles (a new config object; the original is untouched)."""
+    cfg = _fallback_config(plan.config)
+    return None if cfg is None else derive_plan(cfg)
+
+
+def _fallback_config(cfg: RunConfig) -> RunConfig | None:
+    c = cfg.cluster
+    if c.fallback_pools is None:
+        return None
+    cluster = dataclasses.replace(c, pools=c.fallback_pools, roles=c.fallback_roles or c.roles,
+                                  fallback_pools=None, fallback_roles=None)
+    return dataclasses.replace(cfg, cluster=cluster)
 
 
 def _check_names(cfg: RunConfig) -> None:

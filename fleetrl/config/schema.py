@@ -219,6 +219,11 @@ class ClusterConfig:
     roles: dict[str, str] = field(default_factory=lambda: {"actor": "main", "rollout": "main",
                                                            "ref": "main", "critic": "main"})
     """Role -> pool. Roles in the same pool share one Ray actor per bundle."""
+    fallback_pools: dict[str, PoolConfig] | None = None
+    """Placement to switch to when, after a lost node, the cluster cannot hold `pools` again within
+    trainer.restart_wait_s (e.g. every role on the surviving node). None = keep waiting/fail."""
+    fallback_roles: dict[str, str] | None = None
+    """Role -> pool of the fallback placement (default: `roles`)."""
     placement_timeout_s: float = 60.0
     init_timeout_s: float = 120.0
     env: dict[str, str] = field(default_factory=dict)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fleetrl.cluster.health import is_recoverable, wait_for_capacity
 from fleetrl.cluster.placement import PlacementError
-from fleetrl.config.plan import Plan
+from fleetrl.config.plan import Plan, fallback_plan
 from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.trainer import Trainer
 
@@ -16,6 +16,8 @@ log = logging.getLogger("fleetrl.trainer")
 
 
 class Supervisor:
+    """Owns the current Plan: it is replaced by the fallback plan when the original cannot be placed again."""
+
     def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path) -> None:
         self.plan, self.tracker, self.out_dir = plan, tracker, out_dir
         self.restarts = 0
@@ -37,7 +39,20 @@ class Supervisor:
                 log.warning("recovering from %s (restart %d/%d)", type(e).__name__, self.restarts,
                             self.plan.config.trainer.max_restarts)
                 trainer.shutdown()
-                wait_for_capacity(self.plan, self.plan.config.trainer.restart_wait_s)
+                self._wait_or_fall_back(trainer.step)
                 resume = "auto"  # the newest complete checkpoint of this run, or the start when there is none
             finally:
                 trainer.shutdown()
+
+    def _wait_or_fall_back(self, step: int) -> None:
+        wait = self.plan.config.trainer.restart_wait_s
+        try:
+            wait_for_capacity(self.plan, wait)
+        except PlacementError:
+            fallback = fallback_plan(self.plan)
+            if fallback is None:
+                raise
+            wait_for_capacity(fallback, wait)
+            self.tracker.event(step, "fallback_placement", roles=fallback.roles,
+                               pools={n: p.bundle for n, p in fallback.pools.items()})
+            self.plan = fallback

@@ -1,7 +1,8 @@
 """Real separate hosts: a Ray head in one network namespace, a worker in another (joined with the auth token
 through `fleetrl cluster up`), the critic pinned to the worker host.
  - two PPO steps run, and the critic ran on the worker host;
- - the worker host's Ray processes are killed mid-run, a replacement joins, and the run recovers and completes.
+ - the worker host's Ray processes are killed mid-run, a replacement joins, and the run recovers and completes;
+ - the worker host is killed and nothing replaces it: the configured fallback placement runs on the survivor.
 Skips with the reason when not root or `ip netns` is unavailable (CI runs as root)."""
 from __future__ import annotations
 
@@ -92,15 +93,11 @@ def test_two_steps_with_critic_on_worker_host(hosts):
     assert [s["step"] for s in steps if "train/critic/vf_loss" in s] == [1, 2]
 
 
-def test_node_loss_recovers_with_replacement(hosts):
-    a, b, root = hosts
-    metrics = root / "run" / "metrics.jsonl"
-    state: dict = {}
-
-    def kill_then_replace() -> None:
+def _kill_host_at_step(b: netns.Host, metrics: Path, step: int, state: dict, then=None) -> threading.Thread:
+    def kill() -> None:
         deadline = time.time() + 300
         while time.time() < deadline:
-            if metrics.exists() and any('"step": 3' in l and "train/" in l for l in metrics.read_text().splitlines()):
+            if metrics.exists() and any(f'"step": {step}' in l and "train/" in l for l in metrics.read_text().splitlines()):
                 pids = subprocess.run(["ip", "netns", "pids", b.name], capture_output=True, text=True).stdout.split()
                 for pid in pids:  # every Ray process of the worker host: the node is gone
                     try:
@@ -108,14 +105,46 @@ def test_node_loss_recovers_with_replacement(hosts):
                     except ProcessLookupError:
                         pass
                 state["killed"] = len(pids)
-                time.sleep(3)
-                (root / "worker.json").unlink(missing_ok=True)
-                _start_worker(b, a, root, "worker2")  # a replacement host joins at the same address
+                if then is not None:
+                    then()
                 return
             time.sleep(0.3)
 
-    t = threading.Thread(target=kill_then_replace, daemon=True)
+    t = threading.Thread(target=kill, daemon=True)
     t.start()
+    return t
+
+
+def test_node_loss_falls_back_to_the_surviving_host(hosts):
+    """No replacement comes: after restart_wait_s the configured fallback placement (everything on host A) runs."""
+    a, b, root = hosts
+    state: dict = {}
+    t = _kill_host_at_step(b, root / "run" / "metrics.jsonl", 3, state)
+    fallback = ["cluster.fallback_pools={main: {cpus_per_worker: 0.5, resources: {'node:%s': 0.01}}}" % a.ip,
+                "cluster.fallback_roles={actor: main, rollout: main, ref: main, critic: main}"]
+    done = _drive(a, root, *_pools(a.ip, b.ip), *fallback, "trainer.total_steps=6", "trainer.save_every=2",
+                  "trainer.max_restarts=3", "trainer.restart_wait_s=20", "cluster.placement_timeout_s=20", timeout=500)
+    t.join(timeout=5)
+    assert state.get("killed"), "the worker host was never killed"
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    where = json.loads(done.stdout.split("WHERE ", 1)[1].splitlines()[0])
+    assert where["critic"] == a.ip, "after the fallback the critic runs on the surviving host"
+    records = [json.loads(l) for l in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("event") == "fallback_placement" for r in records)
+    assert {r["step"] for r in records if "train/reward_mean" in r} >= set(range(1, 7))
+
+
+def test_node_loss_recovers_with_replacement(hosts):
+    a, b, root = hosts
+    metrics = root / "run" / "metrics.jsonl"
+    state: dict = {}
+
+    def replace() -> None:
+        time.sleep(3)
+        (root / "worker.json").unlink(missing_ok=True)
+        _start_worker(b, a, root, "worker2")  # a replacement host joins at the same address
+
+    t = _kill_host_at_step(b, metrics, 3, state, then=replace)
     done = _drive(a, root, *_pools(a.ip, b.ip), "trainer.total_steps=6", "trainer.save_every=2", "trainer.max_restarts=2",
                   "trainer.restart_wait_s=120", "cluster.placement_timeout_s=90", timeout=560)
     t.join(timeout=5)
