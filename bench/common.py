@@ -14,12 +14,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-# Published Qwen2.5 dimensions (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B); random init here.
+from fleetrl.models.shapes import QWEN25
+
+# Published Qwen2.5 dimensions live in fleetrl/models/shapes.py (the trainer's `random:` models use them too).
 QWEN2_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    **{name: {**dims, "vocab_size": 151936} for name, dims in QWEN25.items()},
     # CPU smoke-test shape (not a real model)
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, vocab_size=1000, tie_word_embeddings=True),

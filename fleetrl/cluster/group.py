@@ -111,6 +111,11 @@ class WorkerGroup:
                 ray.exceptions.NodeDiedError) as e:
             raise WorkerLostError(f"pool '{self.pool.name}': a worker died: {e}") from e
 
+    def take_overhead(self) -> float:
+        """Ray overhead accumulated since the last call (seconds), and reset."""
+        spent, self.overhead_s = self.overhead_s, 0.0
+        return spent
+
     def node_infos(self) -> list[dict]:
         return self.call_all(Worker.node_info)
 

@@ -13,12 +13,6 @@ class WeightSyncError(RuntimeError):
     pass
 
 
-def _call(group: WorkerGroup, method, *args) -> list:
-    if group.backend == "local":
-        return [method(w, *args) for w in group.workers]
-    return [getattr(w, method.__name__).remote(*args) for w in group.workers]
-
-
 def _wait(refs: list, timeout_s: float, what: str) -> list:
     try:
         return ray.get(refs, timeout=timeout_s)

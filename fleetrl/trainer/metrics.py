@@ -6,7 +6,6 @@ from collections import defaultdict
 import numpy as np
 from fleetrl.algo import masked_mean
 from fleetrl.batch import Batch
-from fleetrl.config.schema import RunConfig
 
 # Identical on every rank (computed after the gradient all-reduce): take rank 0's value, never sum.
 _SAME_ON_ALL_RANKS = ("grad_norm", "lr", "skipped_updates")
@@ -23,7 +22,7 @@ def rank_reduce(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, cfg: RunConfig) -> dict[str, float]:
+def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float) -> dict[str, float]:
     m: dict[str, float] = {}
     scores = batch["scores"].numpy()
     m["train/reward_mean"] = float(scores.mean())

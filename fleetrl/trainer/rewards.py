@@ -33,6 +33,9 @@ class RewardScorer:
         if self.remote is None:
             self.router.check_sources(sorted(sources))
 
+    def close(self) -> None:
+        self.runner.close()
+
     def decode(self, batch: Batch) -> list[str]:
         return [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
                 for r, m in zip(batch["responses"], batch["response_mask"])]

@@ -32,7 +32,7 @@ class Trainer:
         self.plan, self.cfg, self.tracker, self.out_dir = plan, plan.config, tracker, out_dir
         self.resume = resume or self.cfg.trainer.resume
         self.train_feed = PromptFeed.for_train(self.cfg)
-        self.val_feed = PromptFeed.for_val(self.cfg)
+        self.val_feed = PromptFeed.for_val(self.cfg, self.train_feed.tokenizer)
         self.scorer = RewardScorer(self.cfg, self.train_feed.tokenizer)
         self.scorer.check_sources(self.train_feed.data_sources() | (self.val_feed.data_sources() if self.val_feed else set()))
         kl = self.cfg.algorithm.kl
@@ -53,8 +53,7 @@ class Trainer:
         self.tracker.start_progress(total, self.step)
         while self.step < total:
             self.timings = {}
-            for g in self.groups.values():
-                g.overhead_s = 0.0
+            self._ray_overhead()  # drop what validation/resume accumulated: only this step's calls count
             t0 = time.perf_counter()
             batch = self.generate(self.train_feed.next_batch(self.cfg.data.prompts_per_step))
             batch = self.score(batch)
@@ -65,9 +64,9 @@ class Trainer:
             self.check_finite(metrics)
             self.sync()
             self.step += 1
-            metrics.update(rollout_metrics(batch, self.timings, time.perf_counter() - t0, self.cfg))
+            metrics.update(rollout_metrics(batch, self.timings, time.perf_counter() - t0))
             metrics["train/kl_coef"] = self.kl_ctl.coef
-            metrics["train/time/worker_call_overhead"] = sum(g.overhead_s for g in self.groups.values())
+            metrics["train/time/worker_call_overhead"] = self._ray_overhead()
             self.checkpoint()
             if self.val_feed and self.cfg.trainer.val_every and (self.step % self.cfg.trainer.val_every == 0
                                                                   or self.step == total):
@@ -166,13 +165,18 @@ class Trainer:
         """Publishes the new actor weights to the rollout engines (in place when colocated)."""
         with self._timed("sync"):
             self.weights_version += 1
-            if self.plan.roles["rollout"] == self.plan.roles["actor"]:
-                self.group("rollout").call_all(Worker.mark_weights_version, self.weights_version)
-            else:
-                from fleetrl.cluster.weight_sync import broadcast_weights
+            self._publish_weights()
 
-                broadcast_weights(self.group("actor"), self.group("rollout"), self.weights_version,
-                                  self.cfg.cluster.init_timeout_s)
+    def _publish_weights(self) -> None:
+        """Colocated: the engine already reads the actor's parameters, only the version moves. Separate pool:
+        a bucketed broadcast that carries the version."""
+        if self.plan.roles["rollout"] == self.plan.roles["actor"]:
+            self.group("rollout").call_all(Worker.mark_weights_version, self.weights_version)
+        else:
+            from fleetrl.cluster.weight_sync import broadcast_weights
+
+            broadcast_weights(self.group("actor"), self.group("rollout"), self.weights_version,
+                              self.cfg.cluster.init_timeout_s)
 
     def checkpoint(self) -> None:
         t = self.cfg.trainer
@@ -193,13 +197,7 @@ class Trainer:
         if path is None:
             return
         load_checkpoint(self, path)
-        if self.plan.roles["rollout"] != self.plan.roles["actor"]:
-            from fleetrl.cluster.weight_sync import broadcast_weights
-
-            broadcast_weights(self.group("actor"), self.group("rollout"), self.weights_version,
-                              self.cfg.cluster.init_timeout_s)
-        else:
-            self.group("rollout").call_all(Worker.mark_weights_version, self.weights_version)
+        self._publish_weights()  # the rollout engines must hold the resumed weights and version
 
     def check_finite(self, metrics: dict[str, float]) -> None:
         """A NaN/inf loss or gradient skips that optimiser step (the engine did) and is logged as an event."""
@@ -223,6 +221,9 @@ class Trainer:
 
         self.groups = build_groups(self.plan)
 
+    def _ray_overhead(self) -> float:
+        return sum(g.take_overhead() for g in self.groups.values())
+
     def group(self, role: str) -> WorkerGroup:
         return self.groups[self.plan.roles[role]]
 
@@ -236,6 +237,7 @@ class Trainer:
         for g in self.groups.values():
             g.shutdown()
         self.groups = {}
+        self.scorer.close()  # a restart builds a new Trainer: its reward workers must not pile up
 
     @contextmanager
     def _timed(self, name: str) -> Iterator[None]:
