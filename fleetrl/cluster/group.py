@@ -40,6 +40,7 @@ class WorkerGroup:
         self.world_size = self.pool.world_size
         self.pg = None
         self.overhead_s = 0.0
+        self.bus_ready = False  # weight bus to a separate rollout pool connected (cluster/weight_sync.py)
         timeout = plan.config.cluster.init_timeout_s
         if backend == "local":
             self.workers: list[Any] = [Worker(self._ctx(0))]

@@ -36,7 +36,7 @@ def broadcast_weights(actor: WorkerGroup, rollout: WorkerGroup, version: int, ti
     """Returns the bytes sent. Raises WeightSyncError (never hangs) when a receiver stalls."""
     if actor.backend == "local":
         raise WeightSyncError("a separate rollout pool needs cluster.backend=ray")
-    if not getattr(actor, "bus_ready", False):
+    if not actor.bus_ready:
         connect_bus(actor, rollout, timeout_s)
     send = [w.bus_send.remote(BUCKET_BYTES) for w in actor.workers]
     recv = [w.bus_receive.remote(BUCKET_BYTES, version) for w in rollout.workers]

@@ -45,7 +45,4 @@ def _pad_to_multiple(batch, world: int):
     extra = (-len(batch)) % world
     if not extra:
         return batch
-    index = list(range(len(batch))) + [len(batch) - 1] * extra
-    out = batch.select(index)
-    out.meta.update(batch.meta)
-    return out
+    return batch.select(list(range(len(batch))) + [len(batch) - 1] * extra)

@@ -25,7 +25,7 @@ class Worker:
         _drop_conflicting_env()
         self.ctx = ctx
         self.actor = self.critic = self.ref = self.rollout = None
-        self._dist_ready = False
+        self.bus = None  # weight bus to a separate rollout pool (only actor rank 0 and rollout workers join)
 
     def timed(self, method: str, *args):
         """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
@@ -54,7 +54,6 @@ class Worker:
             backend = "nccl" if self.ctx.device().type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.ctx.rank,
                                     world_size=w, timeout=timedelta(seconds=timeout_s))
-        self._dist_ready = True
 
     def build(self) -> None:
         """Loads models for every hosted role (after init_dist, so sharding can use the group)."""
@@ -128,7 +127,7 @@ class Worker:
         from fleetrl.workers.weight_bus import full_state, send
 
         named = full_state(self._need("actor").model)
-        return send(self.bus, named, bucket_bytes) if getattr(self, "bus", None) is not None else 0
+        return send(self.bus, named, bucket_bytes) if self.bus is not None else 0
 
     def bus_receive(self, bucket_bytes: int, version: int) -> int:
         from fleetrl.workers.weight_bus import full_state, receive
