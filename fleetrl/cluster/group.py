@@ -10,7 +10,6 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -76,10 +75,11 @@ class WorkerGroup:
         t0 = time.perf_counter()
         return self._timed_get([self._invoke(w, method, *args) for w in self.workers], timeout, t0)
 
-    def call_parts(self, method: Callable, parts: Sequence[Any], timeout: float | None = None) -> list[Any]:
+    def call_parts(self, method: Callable, parts: Sequence[Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        """Rank r gets parts[r] (then the same `args` as every rank)."""
         assert len(parts) == self.world_size, (len(parts), self.world_size)
         t0 = time.perf_counter()
-        return self._timed_get([self._invoke(w, method, p) for w, p in zip(self.workers, parts)], timeout, t0)
+        return self._timed_get([self._invoke(w, method, p, *args) for w, p in zip(self.workers, parts)], timeout, t0)
 
     def _timed_get(self, refs: list[Any], timeout: float | None, t0: float) -> list[Any]:
         """Results of Worker.timed calls; adds (call wall time - slowest worker's own compute) to overhead_s, the
@@ -88,12 +88,12 @@ class WorkerGroup:
         self.overhead_s += max(0.0, time.perf_counter() - t0 - max(dt for _, dt in pairs))
         return [r for r, _ in pairs]
 
-    def call_split(self, method: Callable, batch: Batch, timeout: float | None = None) -> Batch:
+    def call_split(self, method: Callable, batch: Batch, *args: Any, timeout: float | None = None) -> Batch:
         """Splits the batch balanced by tokens over the ranks, runs, and returns results in the input order."""
         if self.world_size == 1:
-            return self.call_all(method, batch, timeout=timeout)[0]
+            return self.call_all(method, batch, *args, timeout=timeout)[0]
         parts, index = batch.split_balanced(self.world_size)
-        return Batch.gather(self.call_parts(method, parts, timeout), index)
+        return Batch.gather(self.call_parts(method, parts, *args, timeout=timeout), index)
 
     def _invoke(self, worker: Any, method: Callable, *args: Any) -> Any:
         if self.backend == "local":
@@ -149,18 +149,3 @@ def _get_fail_fast(refs: list[Any], timeout: float | None) -> list[Any]:
             raise ray.exceptions.GetTimeoutError(f"{len(pending)} call(s) still running")
         ray.get(ready)  # raises the worker's error now
     return ray.get(refs)
-
-
-def order_for_dp(batch: Batch, num_mini: int, world: int) -> tuple[list[Batch], list[np.ndarray]]:
-    """Per-rank batches for an update: each mini-batch split balanced over ranks; rank r gets its share of
-    mini-batch 0, then of mini-batch 1, ... so every rank can chunk its batch into `num_mini` equal pieces."""
-    minis = batch.chunk(num_mini)
-    per_rank: list[list[Batch]] = [[] for _ in range(world)]
-    per_rank_ix: list[list[np.ndarray]] = [[] for _ in range(world)]
-    size = len(batch) // num_mini
-    for m, mini in enumerate(minis):
-        parts, index = mini.split_balanced(world)
-        for r in range(world):
-            per_rank[r].append(parts[r])
-            per_rank_ix[r].append(index[r] + m * size)
-    return [Batch.concat(p) for p in per_rank], [np.concatenate(ix) for ix in per_rank_ix]

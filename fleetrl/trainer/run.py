@@ -19,8 +19,15 @@ def output_dir(cfg: RunConfig) -> Path:
 
 
 def train(config_path: str | None, overrides: list[str]) -> dict[str, float]:
-    plan = derive_plan(load_config(config_path, overrides))
-    return run_plan(plan)
+    return run_plan(plan_for(load_config(config_path, overrides)))
+
+
+def plan_for(cfg: RunConfig) -> Plan:
+    """The Plan of `cfg`; in epoch mode (trainer.total_steps: null) the training set is read to size the run."""
+    from fleetrl.trainer.feed import count_train_prompts
+
+    prompts = count_train_prompts(cfg) if cfg.trainer.total_steps is None else None
+    return derive_plan(cfg, train_prompts=prompts)
 
 
 def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo
 from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
 
 
 class Worker:
@@ -80,12 +81,12 @@ class Worker:
             self.critic = CriticComponent(ctx, info)
 
     # ------------------------------------------------------------------ verbs
-    def generate(self, batch: Batch) -> Batch:
+    def generate(self, batch: Batch, req: GenerateRequest) -> Batch:
         offload = self.actor is not None and self.ctx.cfg.actor.offload_optimizer
         if offload:
             self.actor.engine.offload_optimizer()
         try:
-            return self._need("rollout").generate(batch)
+            return self._need("rollout").generate(batch, req)
         finally:
             if offload:
                 self.actor.engine.onload_optimizer()
@@ -99,17 +100,11 @@ class Worker:
     def compute_values(self, batch: Batch) -> Batch:
         return self._need("critic").compute_values(batch)
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        return self._need("actor").update(batch)
+    def update_actor(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
+        return self._need("actor").update(batch, spec)
 
-    def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self._need("critic").update(batch)
-
-    def actor_weights(self) -> dict[str, torch.Tensor]:
-        return self._need("actor").state_for_sync()
-
-    def load_rollout_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self._need("rollout").load_weights(state, version)
+    def update_critic(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
+        return self._need("critic").update(batch, spec)
 
     def mark_weights_version(self, version: int) -> None:
         """Colocated rollout: the engine already reads the actor's parameters; only the version moves."""
