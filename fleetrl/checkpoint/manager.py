@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import torch
 
-from fleetrl.checkpoint.export import CheckpointError
+from fleetrl.checkpoint.export import CheckpointError, read_meta
 from fleetrl.config import dump_yaml
 from fleetrl.config.schema import RunConfig
 
@@ -118,7 +118,7 @@ def export_via_deltas(ckpt: str | Path, out_dir: str | Path, *, dtype: str | Non
     from fleetrl.checkpoint.delta import export_from_deltas
 
     ckpt = Path(ckpt)
-    meta = json.loads((ckpt / COMPLETE_MARK).read_text())
+    meta = read_meta(ckpt)
     chain = delta_chain(ckpt.parent, meta["step"] + 1)
     if not chain or chain[-1].parent != ckpt:
         raise CheckpointError(f"{ckpt} has no delta.safetensors; train with trainer.delta_checkpoints=exact "
