@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from fleetrl.cli.errors import user_errors
+from fleetrl.cli.errors import report, user_errors
 
 app = typer.Typer(help="fleetrl: RL post-training of LLMs on Ray (PPO, GRPO and relatives).",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -23,10 +23,20 @@ def train(config: str = typer.Argument(..., help="Run config YAML."),
           overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. actor.optim.lr=1e-6"),
           ) -> None:
     """Train with CONFIG (starts a local Ray cluster when cluster.address is not set)."""
+    from fleetrl.cluster.health import is_recoverable
     from fleetrl.trainer.run import train as run_train
+    from fleetrl.trainer.signals import Interrupted
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    run_train(config, list(overrides or []))
+    try:
+        run_train(config, list(overrides or []))
+    except Interrupted as e:  # the run already printed where it stopped and how to continue
+        raise typer.Exit(e.exit_code) from None
+    except Exception as e:
+        if not is_recoverable(e):
+            raise
+        report(e)  # a lost/stalled worker with no restarts left: the message is the diagnosis, not a traceback
+        raise typer.Exit(1) from None
 
 
 @config_app.command("show")

@@ -7,10 +7,11 @@ import ray
 
 from fleetrl.cluster.group import WorkerLostError
 from fleetrl.cluster.placement import PlacementError, check_feasible, cluster_nodes
+from fleetrl.cluster.watchdog import StallError
 from fleetrl.cluster.weight_sync import WeightSyncError
 from fleetrl.config.plan import Plan
 
-_RECOVERABLE = (WorkerLostError, WeightSyncError, ray.exceptions.RayActorError, ray.exceptions.NodeDiedError,
+_RECOVERABLE = (WorkerLostError, WeightSyncError, StallError, ray.exceptions.RayActorError, ray.exceptions.NodeDiedError,
                 ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError)
 
 

@@ -186,6 +186,9 @@ class TrainerConfig:
     """Automatic recoveries from a lost worker/node before the run gives up."""
     restart_wait_s: float = 120.0
     """How long a recovery waits for the cluster to have room for the plan again."""
+    checkpoint_on_signal: Literal["sigterm", "always", "never"] = "sigterm"
+    """Save a checkpoint when a stop signal arrives (after the current step): on SIGTERM only (what SLURM and
+    Kubernetes send before preemption), on SIGINT too, or never."""
     on_nonfinite: Literal["skip", "abort"] = "skip"
     """What a NaN/inf loss or gradient does to the update."""
 
@@ -232,6 +235,16 @@ class ClusterConfig:
     init_timeout_s: float = 120.0
     env: Mapping[str, str] = field(default_factory=FrozenDict)
     """Environment for every worker (through Ray's runtime env)."""
+    call_timeout_s: float | Literal["auto"] = "auto"
+    """Deadline of a worker call. auto: first_call_timeout_s for the first call of each verb, then
+    max(300 s, 5 × the slowest of its last 10 calls); a number fixes it for every verb."""
+    first_call_timeout_s: float = 1800.0
+    """auto deadline of the first call of a verb (model load, compile, CUDA-graph capture happen there)."""
+    call_timeouts: Mapping[str, float] = field(default_factory=FrozenDict)
+    """Per-verb deadlines, e.g. {generate: 900, update_actor: 1200}."""
+    stall_s: float = 120.0
+    """A worker call whose progress (decode steps, micro-batches, weight buckets) has not moved, or whose worker
+    does not answer at all, for this long is a stall: stacks are dumped and the run recovers (docs/hangs.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,9 +5,12 @@ import logging
 import time
 from pathlib import Path
 
+from rich.text import Text
+
 from fleetrl.config import Plan, derive_plan, dump_yaml, load_config, to_dict
 from fleetrl.config.schema import RunConfig
 from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.signals import Interrupted, StopSignal
 
 log = logging.getLogger("fleetrl")
 
@@ -42,9 +45,14 @@ def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
     tracker.console.print(f"[bold]fleetrl[/] run directory: {out}")
     started = ensure_ray(cfg.cluster)
     try:
-        last = Supervisor(plan, tracker, out).run()
+        with StopSignal() as stop:
+            last = Supervisor(plan, tracker, out, stop=stop).run()
         _summary(tracker, out)
         return last
+    except Interrupted as e:
+        tracker.console.print(Text(f"{e}; continue with: fleetrl train <config> ... trainer.output_dir={out} "
+                                   f"trainer.resume=auto"))
+        raise
     finally:
         tracker.close()
         if started:

@@ -14,16 +14,24 @@ from typing import Callable, Iterator
 
 import torch
 
-from fleetrl.algo import ADVANTAGES, AdvantageInputs, apply_kl_penalty, kl_estimate, make_kl_controller, masked_mean
+from fleetrl.algo import (
+    ADVANTAGES,
+    AdvantageInputs,
+    apply_kl_penalty,
+    kl_estimate,
+    make_kl_controller,
+    masked_mean,
+)
 from fleetrl.batch import Batch
 from fleetrl.cluster.group import WorkerGroup
 from fleetrl.config.plan import Plan
+from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.feed import PromptFeed
 from fleetrl.trainer.metrics import rollout_metrics
 from fleetrl.trainer.progress import Progress, RNGState
 from fleetrl.trainer.rewards import RewardScorer
+from fleetrl.trainer.signals import Interrupted, StopSignal
 from fleetrl.trainer.validate import validate
-from fleetrl.tracking.tracker import Tracker
 from fleetrl.workers.layout import arrange_update
 from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
 from fleetrl.workers.worker import Worker
@@ -33,7 +41,9 @@ SEQ_KEYS = ("prompts", "prompt_mask", "responses", "response_mask")
 
 
 class Trainer:
-    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, resume: str | None = None) -> None:
+    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, resume: str | None = None,
+                 stop: StopSignal | None = None) -> None:
+        self.stop = stop or StopSignal()
         self.plan, self.cfg, self.tracker, self.out_dir = plan, plan.config, tracker, out_dir
         self.resume = resume or self.cfg.trainer.resume
         self.train_feed = PromptFeed.for_train(plan)
@@ -65,6 +75,8 @@ class Trainer:
             self.tracker.log(self.step, self.validate())
         self.tracker.start_progress(total, self.step)
         while self.step < total:
+            for g in self.groups.values():
+                g.step = self.step + 1  # stall reports name the step being made
             self.timings = {}
             self._ray_overhead()  # drop what validation/resume accumulated: only this step's calls count
             t0 = time.perf_counter()
@@ -86,6 +98,8 @@ class Trainer:
                 metrics.update(self.validate())
             self.tracker.log(self.step, metrics)
             last = metrics
+            if self.stop.requested:
+                self.stop_now()
         self.tracker.finish()
         return last
 
@@ -180,9 +194,9 @@ class Trainer:
 
             broadcast_weights(self.group("actor"), self.group("rollout"), version, self.cfg.cluster.init_timeout_s)
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, force: bool = False) -> None:
         t = self.cfg.trainer
-        if t.save_every and self.step % t.save_every == 0:
+        if force or (t.save_every and self.step % t.save_every == 0):
             with self._timed("checkpoint"):
                 from fleetrl.checkpoint.manager import save_checkpoint
 
@@ -206,6 +220,20 @@ class Trainer:
         self.tracker.event(self.step, "resumed", path=str(path))
         self._publish_weights()  # the rollout engines must hold the resumed weights and version
 
+    def stop_now(self) -> None:
+        """After a stop signal: checkpoint this step (unless it just was, or checkpoint_on_signal says not to)."""
+        import signal
+
+        from fleetrl.checkpoint.manager import checkpoint_root, find_resume
+
+        policy = self.cfg.trainer.checkpoint_on_signal
+        wanted = policy == "always" or (policy == "sigterm" and self.stop.signum == signal.SIGTERM)
+        if wanted and not (checkpoint_root(self.out_dir) / f"step_{self.step}").is_dir():
+            self.checkpoint(force=True)
+        latest = find_resume(self.out_dir, "auto")
+        self.tracker.event(self.step, "stopped", signal=int(self.stop.signum))
+        raise Interrupted(self.step, int(self.stop.signum), int(latest.name[5:]) if latest else None)
+
     def check_finite(self, metrics: dict[str, float]) -> None:
         """A NaN/inf loss or gradient skips that optimiser step (the engine did) and is logged as an event."""
         skipped = {k: v for k, v in metrics.items() if k.endswith("skipped_updates") and v > 0}
@@ -227,7 +255,7 @@ class Trainer:
             return
         from fleetrl.cluster.build import build_groups
 
-        self.groups = build_groups(self.plan)
+        self.groups = build_groups(self.plan, self.out_dir)
 
     def _ray_overhead(self) -> float:
         return sum(g.take_overhead() for g in self.groups.values())

@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from fleetrl import heartbeat
 from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
@@ -40,6 +41,7 @@ def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temper
     device = next(model.parameters()).device
     logps, ents = [], []
     for mb in micro_batches(batch, micro):
+        heartbeat.beat()
         mb = mb.to(device)
         lp, ent = sequence_logprobs(model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
                                     temperature=temperature, return_entropy=entropy, chunk_size=chunk)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from fleetrl import heartbeat
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo
 from fleetrl.workers.context import WorkerContext
@@ -34,6 +35,10 @@ class Worker:
         t0 = time.perf_counter()
         out = getattr(self, method)(*args)
         return out, time.perf_counter() - t0
+
+    def progress(self) -> int:
+        """The process's heartbeat count, read by the watchdog through the actor's free concurrency slot."""
+        return heartbeat.count()
 
     # ------------------------------------------------------------------ setup
     def node_info(self) -> dict:
@@ -58,7 +63,11 @@ class Worker:
 
     def build(self) -> None:
         """Loads models for every hosted role (after init_dist, so sharding can use the group)."""
-        from fleetrl.workers.actor import ActorComponent, RefComponent, load_policy_model
+        from fleetrl.workers.actor import (
+            ActorComponent,
+            RefComponent,
+            load_policy_model,
+        )
 
         ctx = self.ctx
         ctx.seed_everything()
