@@ -6,7 +6,8 @@ Metrics are detached scalars, masked means over the valid tokens of the (micro-)
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
