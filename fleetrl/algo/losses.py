@@ -313,7 +313,8 @@ def apply_kl_penalty(
 
     token_rewards = -coef * kl. scores_B [B] is only checked against the batch size and NOT added: the
     advantage estimator places the score on the last token itself (AdvantageInputs.token_rewards_BT),
-    and adding it here too would count it twice.
+    and adding it here too would count it twice. Outcome estimators (advantages.OUTCOME_ESTIMATORS) ignore
+    token rewards: fold the returned kl_BT into the scores with `fold_kl_into_scores` instead.
     """
     if scores_B.shape != mask_BT.shape[:1]:
         raise ValueError(f"scores_B has shape {tuple(scores_B.shape)}; expected ({mask_BT.shape[0]},) to "
