@@ -18,9 +18,6 @@ CASES = {
     "gspo": ("examples/quickstart.yaml", (*COMMON, "algorithm.policy_loss=gspo", "algorithm.clip_low=0.0003",
                                           "algorithm.clip_high=0.0004", "algorithm.loss_agg=seq-mean-token-mean",
                                           "algorithm.mini_batch_prompts=16")),
-    # CISPO with the paper's upper-only bound on the IS weight (clip_low=1 keeps w >= 0), off-policy as above.
-    "cispo": ("examples/quickstart.yaml", (*COMMON, "algorithm.policy_loss=cispo", "algorithm.clip_low=1.0",
-                                           "algorithm.clip_high=0.28", "algorithm.mini_batch_prompts=16")),
 }
 
 
