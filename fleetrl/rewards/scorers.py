@@ -142,7 +142,6 @@ def math_value(normalized: str) -> Fraction | None:
     return None
 
 
-logger = logging.getLogger("fleetrl.rewards")
 MATH_VERIFY_TIMEOUT_S = 5  # per parse / per comparison; sympy can take unbounded time on adversarial input
 
 
@@ -159,6 +158,7 @@ def _math_verify_equal(predicted: str, truth: str) -> bool | None:
     # Imported lazily: it loads sympy and a LaTeX parser (~1 s), which scorer-free commands need not pay for.
     from math_verify import parse, verify
 
+    _quiet_timeout_notice()
     timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     # $...$ makes both sides LaTeX math, which keeps "1, 2" a list (a bare "1, 2" reads as just 2).
     gold = parse(f"${truth}$", parsing_timeout=timeout)
@@ -166,6 +166,19 @@ def _math_verify_equal(predicted: str, truth: str) -> bool | None:
     if not _has_math(gold) or not _has_math(pred):
         return None
     return bool(verify(gold, pred, timeout_seconds=timeout))
+
+
+class _DropTimeoutNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+@lru_cache(maxsize=1)
+def _quiet_timeout_notice() -> None:
+    # math-verify warns once per process and module when its timeout is off. Here that is deliberate (the
+    # runner bounds the call, see above), so only that notice is dropped; its other warnings still show.
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_DropTimeoutNotice())
 
 
 def _has_math(parsed: list) -> bool:
