@@ -40,30 +40,30 @@ ROLLOUT_CORRECTIONS: Registry[CorrectionFn] = Registry("rollout correction mode"
 LEVELS = ("token", "sequence")
 
 
-def _none_BT(x_BT: Tensor) -> Tensor:
+def _nothing_BT(x_BT: Tensor) -> Tensor:
     return torch.zeros_like(x_BT, dtype=torch.bool)
 
 
 @ROLLOUT_CORRECTIONS.register("none")
 def _none(ratio_BT: Tensor, cap: float, low: float, high: float) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.ones_like(ratio_BT), _none_BT(ratio_BT), _none_BT(ratio_BT)
+    return torch.ones_like(ratio_BT), _nothing_BT(ratio_BT), _nothing_BT(ratio_BT)
 
 
 @ROLLOUT_CORRECTIONS.register("tis")
 def _tis(ratio_BT: Tensor, cap: float, low: float, high: float) -> tuple[Tensor, Tensor, Tensor]:
-    return ratio_BT.clamp(max=cap), ratio_BT > cap, _none_BT(ratio_BT)
+    return ratio_BT.clamp(max=cap), ratio_BT > cap, _nothing_BT(ratio_BT)
 
 
 @ROLLOUT_CORRECTIONS.register("mis")
 def _mis(ratio_BT: Tensor, cap: float, low: float, high: float) -> tuple[Tensor, Tensor, Tensor]:
     masked_BT = ratio_BT > cap
-    return torch.where(masked_BT, torch.zeros_like(ratio_BT), ratio_BT), _none_BT(ratio_BT), masked_BT
+    return torch.where(masked_BT, torch.zeros_like(ratio_BT), ratio_BT), _nothing_BT(ratio_BT), masked_BT
 
 
 @ROLLOUT_CORRECTIONS.register("icepop")
 def _icepop(ratio_BT: Tensor, cap: float, low: float, high: float) -> tuple[Tensor, Tensor, Tensor]:
     masked_BT = (ratio_BT < low) | (ratio_BT > high)
-    return torch.where(masked_BT, torch.zeros_like(ratio_BT), ratio_BT), _none_BT(ratio_BT), masked_BT
+    return torch.where(masked_BT, torch.zeros_like(ratio_BT), ratio_BT), _nothing_BT(ratio_BT), masked_BT
 
 
 def check_correction(mode: str, level: str = "token", cap: float = 2.0, low: float = 0.5, high: float = 5.0) -> None:
