@@ -77,6 +77,44 @@ class KLConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RolloutCorrectionConfig:
+    """Importance weights pi_old / pi_rollout for the rollout-trainer log-prob mismatch (`algo/correction.py`)."""
+
+    mode: str = "none"
+    """none | tis (truncate at cap; Yao et al. 2025) | mis (zero weights above cap) | icepop (zero outside
+    [low, high]). `none` still reports the ratio statistics."""
+    level: str = "token"
+    """token | sequence (the product of a sequence's token ratios, acting on the whole sequence)."""
+    cap: float = 2.0
+    """Upper bound for tis / mis."""
+    low: float = 0.5
+    """icepop: lower edge of the kept band."""
+    high: float = 5.0
+    """icepop: upper edge of the kept band."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlongConfig:
+    """DAPO's overlong handling (`algo/dapo.py`)."""
+
+    buffer: int = 0
+    """Tokens before rollout.max_new_tokens over which a penalty ramps linearly from 0 to -factor; 0 = off."""
+    factor: float = 1.0
+    mask_truncated: bool = False
+    """Leave responses cut off at max_new_tokens out of the loss (DAPO overlong filtering)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts to refill."""
+
+    enabled: bool = False
+    max_rounds: int = 3
+    """Generation rounds per step at most (the first included); a batch still short after them trains on
+    what it has, and the shortfall is reported."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     advantage: str = "grpo"
     """A name in algo.ADVANTAGES (gae uses a critic)."""
@@ -102,6 +140,9 @@ class AlgorithmConfig:
     recompute_logprobs: Literal["auto", "always"] = "auto"
     """Fully on-policy updates (1 epoch, 1 mini-batch) need no separate old-logprob pass: the
     importance ratio is exactly 1, so `auto` uses the update's own detached log-probs as the old ones."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
