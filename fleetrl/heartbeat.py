@@ -5,10 +5,13 @@ that keeps beating is never killed.
 
 Fault injection for tests (environment variables, read once per process):
   FLEETRL_FAULT_BEAT_DELAY_S=S   sleep S seconds at every beat (a slow but progressing worker)
+  FLEETRL_FAULT_STOP=VERB:N:FILE the N-th call of worker verb VERB SIGSTOPs its own process (a frozen worker),
+                                 once per FILE (created when it fires), so a rebuilt worker does not freeze again
 """
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 _count = 0
@@ -24,3 +27,18 @@ def beat() -> None:
 
 def count() -> int:
     return _count
+
+
+_calls: dict[str, int] = {}
+
+
+def maybe_freeze(verb: str) -> None:
+    """The FLEETRL_FAULT_STOP hook (see the module docstring); a no-op unless that variable is set."""
+    spec = os.environ.get("FLEETRL_FAULT_STOP")
+    if not spec:
+        return
+    want, n, marker = spec.split(":", 2)
+    _calls[verb] = _calls.get(verb, 0) + 1
+    if verb == want and _calls[verb] == int(n) and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGSTOP)

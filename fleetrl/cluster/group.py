@@ -7,6 +7,7 @@ the master address for the pool's process group.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -162,10 +163,23 @@ class WorkerGroup:
                 ray.kill(w, no_restart=True)
             except Exception:  # already dead
                 pass
+        _kill_local_frozen(self.infos)
         if self.pg is not None:
             try:
                 ray.util.remove_placement_group(self.pg)
             except Exception:
+                pass
+
+
+def _kill_local_frozen(infos: list[dict]) -> None:
+    """ray.kill asks the worker to exit; a SIGSTOPped or hung process cannot. Workers of this group on the
+    driver's node are ended by PID as well (remote ones are ended by their raylet when the actor is killed)."""
+    here = ray.get_runtime_context().get_node_id()
+    for info in infos:
+        if info.get("node_id") == here and info.get("pid"):
+            try:
+                os.kill(int(info["pid"]), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
 
 

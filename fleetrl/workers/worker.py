@@ -32,6 +32,7 @@ class Worker:
     def timed(self, method: str, *args):
         """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
         compute from transport overhead."""
+        heartbeat.maybe_freeze(method)
         t0 = time.perf_counter()
         out = getattr(self, method)(*args)
         return out, time.perf_counter() - t0
@@ -136,6 +137,7 @@ class Worker:
     def bus_receive(self, bucket_bytes: int, version: int) -> int:
         from fleetrl.workers.weight_bus import full_state, receive
 
+        heartbeat.maybe_freeze("bus_receive")
         rollout = self._need("rollout")
         received = receive(self.bus, full_state(rollout.engine_model()), bucket_bytes)
         rollout.load_weights(received, version)
