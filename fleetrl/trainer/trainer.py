@@ -14,18 +14,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from fleetrl.algo import (
-    ADVANTAGES,
-    AdvantageInputs,
-    apply_kl_penalty,
-    kl_estimate,
-    make_kl_controller,
-    masked_mean,
-)
+from fleetrl.algo import (ADVANTAGES, AdvantageInputs, apply_kl_penalty, fold_kl_into_scores, kl_estimate,
+                          make_kl_controller, mask_truncated, masked_mean, overlong_penalty, rollout_correction)
 from fleetrl.batch import Batch
 from fleetrl.cluster.group import WorkerGroup
 from fleetrl.config.plan import Plan
 from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.dynamic import fill_informative
 from fleetrl.trainer.feed import PromptFeed
 from fleetrl.trainer.metrics import rollout_metrics
 from fleetrl.trainer.progress import Progress, RNGState
@@ -80,8 +75,7 @@ class Trainer:
             self.timings = {}
             self._ray_overhead()  # drop what validation/resume accumulated: only this step's calls count
             t0 = time.perf_counter()
-            batch = self.generate(self.train_feed.next_batch(self.cfg.data.prompts_per_step))
-            batch = self.score(batch)
+            batch = self.rollouts()
             batch = self.logprobs(batch)
             batch = self.values(batch)
             batch = self.advantages(batch)
@@ -104,6 +98,18 @@ class Trainer:
         return last
 
     # ---------------------------------------------------------------------------------------- phases
+    def rollouts(self) -> Batch:
+        """generate + score for one step's prompts; with dynamic sampling, more rounds until every group is
+        informative (trainer/dynamic.py)."""
+        fresh = lambda: self.score(self.generate(self.train_feed.next_batch(self.cfg.data.prompts_per_step)))  # noqa: E731
+        ds = self.cfg.algorithm.dynamic_sampling
+        if not ds.enabled:
+            return fresh()
+        batch, stats = fill_informative(fresh(), fresh, groups=self.cfg.data.prompts_per_step, n=self.cfg.rollout.n,
+                                        max_rounds=ds.max_rounds)
+        batch.meta["dynamic_sampling"] = stats
+        return batch
+
     def generate(self, prompts: Batch) -> Batch:
         n = self.cfg.rollout.n
         with self._timed("generate"):
@@ -117,6 +123,12 @@ class Trainer:
     def score(self, batch: Batch) -> Batch:
         with self._timed("score"):
             scores, stats = self.scorer.score(batch)
+            o = self.cfg.algorithm.overlong
+            if o.buffer:  # DAPO soft overlong punishment, part of the score every later phase sees
+                penalty = overlong_penalty(batch["response_mask"].sum(1), max_len=self.cfg.rollout.max_new_tokens,
+                                           buffer=o.buffer, factor=o.factor)
+                stats["overlong_penalty_mean"] = float(penalty.mean())
+                scores = scores + penalty
             batch.tensors["scores"] = scores
             batch.meta["reward_stats"] = stats
             return batch
@@ -128,6 +140,15 @@ class Trainer:
                 batch = batch.update(self.group("actor").call_split(Worker.compute_logprobs, seq))
             if self.plan.use_ref:
                 batch = batch.update(self.group("ref").call_split(Worker.compute_ref_logprobs, seq))
+            if self.plan.rollout_correction:  # over the whole batch: max/min do not survive per-rank shares
+                c = self.cfg.algorithm.rollout_correction
+                w, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
+                                              mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
+                batch.tensors["is_weights"] = w
+                batch.meta["correction"] = {k: float(v) for k, v in stats.items()}
+            if self.cfg.algorithm.overlong.mask_truncated:
+                truncated = torch.tensor([f == "length" for f in batch["finish_reason"]])
+                batch.tensors["loss_mask"] = mask_truncated(batch["response_mask"], truncated)
             return batch
 
     def values(self, batch: Batch) -> Batch:
@@ -139,7 +160,7 @@ class Trainer:
     def advantages(self, batch: Batch) -> Batch:
         algo = self.cfg.algorithm
         mask = batch["response_mask"].float()
-        token_rewards = None
+        scores, token_rewards = batch["scores"], None
         if self.plan.use_ref:
             # Without a recompute pass the rollout's own log-probs stand for the policy's (same weights).
             logp = batch["old_logprobs"] if self.plan.recompute_logprobs else batch["rollout_logprobs"]
@@ -147,10 +168,12 @@ class Trainer:
             seq_kl = float(masked_mean(kl_bt, mask))
             batch.meta["kl"] = seq_kl
             if algo.kl.placement == "reward":
-                token_rewards, _ = apply_kl_penalty(batch["scores"], logp, batch["ref_logprobs"],
-                                                    mask, self.kl_ctl.coef, algo.kl.estimator)
+                token_rewards, kl = apply_kl_penalty(batch["scores"], logp, batch["ref_logprobs"],
+                                                     mask, self.kl_ctl.coef, algo.kl.estimator)
+                if self.plan.kl_into_score:  # an outcome estimator ignores token rewards: fold them into the score
+                    scores, token_rewards = fold_kl_into_scores(scores, kl, mask, self.kl_ctl.coef), None
             self.kl_ctl.update(seq_kl, len(batch))
-        inputs = AdvantageInputs(scores_B=batch["scores"], mask_BT=mask, group_B=batch["group"],
+        inputs = AdvantageInputs(scores_B=scores, mask_BT=mask, group_B=batch["group"],
                                  token_rewards_BT=token_rewards, values_BT=batch.tensors.get("values"),
                                  gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std)
         adv, ret = ADVANTAGES.get(algo.advantage)(inputs)
@@ -166,15 +189,19 @@ class Trainer:
             keys = [*SEQ_KEYS, "advantages", "rollout_logprobs"]
             keys += ["old_logprobs"] if self.plan.recompute_logprobs else []
             keys += ["ref_logprobs"] if self.cfg.algorithm.kl.placement == "loss" else []
+            keys += ["is_weights"] if self.plan.rollout_correction else []
+            keys += ["loss_mask"] if self.cfg.algorithm.overlong.mask_truncated else []
             with self._timed("update_actor"):
                 metrics.update(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
         return {f"train/{k}": v for k, v in metrics.items()}
 
     def _update_role(self, role: str, batch: Batch, method: Callable) -> dict[str, float]:
+        loss_mask = "loss_mask" if role == "actor" and "loss_mask" in batch else "response_mask"
         parts, minis = arrange_update(batch, self.plan.num_mini_batches, self.plan.world[role],
-                                      norm_len=float(self.cfg.rollout.max_new_tokens))
+                                      norm_len=float(self.cfg.rollout.max_new_tokens), mask_key=loss_mask)
         spec = UpdateSpec(minis=minis, kl_coef=self.kl_ctl.coef,
-                          old_logprobs="recomputed" if self.plan.recompute_logprobs else "current")
+                          old_logprobs="recomputed" if self.plan.recompute_logprobs else "current",
+                          is_weights=role == "actor" and self.plan.rollout_correction, loss_mask=loss_mask)
         return UpdateMetrics.reduce(self.group(role).call_parts(method, parts, spec))
 
     def sync(self) -> None:
