@@ -8,14 +8,15 @@ import shutil
 import pytest
 
 from fleetrl.checkpoint.integrity import file_checksums, sha256_file, validate_checkpoint
-from fleetrl.checkpoint.manager import CheckpointError, find_resume
+from fleetrl.checkpoint.manager import CheckpointError, find_resume, load_checkpoint
+from fleetrl.config import load_config
 from fleetrl.errors import UserError
 from tests.integration.helpers import train_run
 
 # Two tiny steps in-process (no Ray), a checkpoint after each.
 RUN = ("model.path=tiny:", "cluster.backend=local", "data.prompts_per_step=2", "rollout.n=2",
        "algorithm.mini_batch_prompts=2", "algorithm.micro_batch_size=4", "trainer.total_steps=2",
-       "trainer.save_every=1", "trainer.keep_last=0", "trainer.val_every=0")
+       "trainer.save_every=1", "trainer.keep_last=0", "trainer.val_every=0", "rewards.remote_token=s3cret-tok")
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +112,18 @@ def test_checkpoint_without_checksums_uses_the_size_checks(run):
 
 def test_no_checkpoints_at_all_is_a_fresh_start(tmp_path):
     assert find_resume(tmp_path, "auto") is None
+
+
+def test_checkpoint_config_is_redacted_private_and_not_a_diff(run, saved_run):
+    ckpt = run / "checkpoints" / "step_2"
+    text = (ckpt / "config.yaml").read_text()
+    assert "s3cret-tok" not in text and "remote_token: '***'" in text
+    assert (ckpt / "config.yaml").stat().st_mode & 0o777 == 0o600
+    same = load_config("examples/ppo_tiny.yaml", [*RUN, "tracking.progress=false", "tracking.console=false",
+                                                  f"trainer.output_dir={saved_run}", "rewards.remote_token=other"])
+    assert load_checkpoint(ckpt, groups=[], state={}, config=same) == ""  # a token change is not reported
+    (ckpt / "config.yaml").write_text(text.replace("'***'", "s3cret-tok"))  # as older versions wrote it
+    changed = load_config("examples/ppo_tiny.yaml", [*RUN, "tracking.progress=false", "tracking.console=false",
+                                                     f"trainer.output_dir={saved_run}", "trainer.total_steps=3"])
+    diff = load_checkpoint(ckpt, groups=[], state={}, config=changed)
+    assert "total_steps: 3" in diff and "s3cret" not in diff
