@@ -56,7 +56,8 @@ def cluster_up(
     block: bool = typer.Option(False, "--block", help="Stay in the foreground until Ray (or the head) stops."),
 ) -> None:
     """Start Ray on this node as head or worker (role from flags, SLURM, dstack or torchrun variables)."""
-    from fleetrl.cluster.up import UpOptions, block_until_exit, cluster_up as up
+    from fleetrl.cluster.up import UpOptions, block_until_exit
+    from fleetrl.cluster.up import cluster_up as up
 
     up(UpOptions(head=head, address=address, port=port, node_ip=node_ip, expect_nodes=expect_nodes,
                  wait_timeout_s=wait_timeout, join_timeout_s=join_timeout, token_file=token_file,
@@ -131,16 +132,26 @@ def submit(
     config: str = typer.Argument(..., help="Run config, relative to --working-dir."),
     overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides."),
     address: str = Address,
-    working_dir: Path = typer.Option(Path("."), "--working-dir", help="Uploaded to the cluster."),
-    env: Optional[List[str]] = typer.Option(None, "--env", help="KEY=VALUE for the job."),
+    working_dir: Path = typer.Option(Path("."), "--working-dir", help="Uploaded to the cluster (without outputs, "
+                                                                      ".git, .env, token and key files)."),
+    env: Optional[List[str]] = typer.Option(None, "--env", help="KEY=VALUE for the job, or KEY to pass this "
+                                                                "shell's value (keeps it out of argv)."),
     token_file: Optional[Path] = TokenFile,
 ) -> None:
-    """Submit `fleetrl train CONFIG overrides...` to the cluster as a Ray job; prints the job id."""
+    """Submit `fleetrl train CONFIG overrides...` to the cluster as a Ray job; prints the job id. The job joins
+    the cluster it is submitted to (cluster.address=auto) unless the config names an address."""
+    from fleetrl.cluster.jobs import env_from_args, secret_env_names
     from fleetrl.cluster.jobs import submit as submit_job
-    from fleetrl.cluster.netenv import parse_overrides
 
-    job_id = submit_job(address, config, list(overrides or []), working_dir=working_dir,
-                        env_vars=parse_overrides(env or []), token=_token(token_file))
+    env_vars = env_from_args(env or [])
+    secret = secret_env_names(env_vars)
+    if secret:
+        err_console.print(f"note: Ray keeps --env values ({', '.join(secret)}) in its job record for the cluster's "
+                          f"lifetime; to keep a secret out of it, export it before `fleetrl cluster up` on the "
+                          f"head or read it from a file with ${{file:PATH}} (docs/multinode.md)",
+                          soft_wrap=True, highlight=False, markup=False)
+    job_id = submit_job(address, config, list(overrides or []), working_dir=working_dir, env_vars=env_vars,
+                        token=_token(token_file))
     console.print(job_id)
 
 
