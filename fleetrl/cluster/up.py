@@ -93,6 +93,10 @@ def cluster_up(opts: UpOptions, *, env: Mapping[str, str] = os.environ, console:
         wait_for_port(decision.head_host, decision.port, timeout_s=opts.join_timeout_s, console=console)
     node_ip = opts.node_ip or detect_node_ip(decision.head_host)
     extra_env = netenv.network_env(opts.net_profile, netenv.parse_overrides(opts.env), node_ip=node_ip)
+    if "GLOO_SOCKET_IFNAME" not in extra_env:
+        console.print(f"[yellow]warning:[/] no interface here carries {node_ip}; Gloo/NCCL pick their own and may "
+                      f"advertise a loopback address to other nodes; set --env GLOO_SOCKET_IFNAME=IFACE "
+                      f"--env NCCL_SOCKET_IFNAME=IFACE", soft_wrap=True)
     if decision.is_head and opts.dashboard_host not in ("127.0.0.1", "localhost"):
         console.print(f"[yellow]warning:[/] the dashboard and job API listen on {opts.dashboard_host}; anyone "
                       f"who reaches port {opts.dashboard_port} can submit jobs if they hold the token, and "

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fleetrl import heartbeat
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo
+from fleetrl.netif import socket_ifname_env
 from fleetrl.workers.context import WorkerContext
 from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
 
@@ -58,6 +59,7 @@ class Worker:
     def init_dist(self, addr: str, port: int, timeout_s: float) -> None:
         w = self.ctx.world_size
         if w > 1:
+            _pin_socket_ifname()
             backend = "nccl" if self.ctx.device().type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.ctx.rank,
                                     world_size=w, timeout=timedelta(seconds=timeout_s))
@@ -187,6 +189,16 @@ class Worker:
 def _own_ip() -> str:
     # The Ray wrapper in cluster/group.py sets this to the node IP Ray was started with; in-process: loopback.
     return os.environ.get("FLEETRL_NODE_IP", "127.0.0.1")
+
+
+def _pin_socket_ifname() -> None:
+    """Binds Gloo/NCCL to the interface of this node's Ray IP when nothing else has chosen one (`cluster up`
+    sets both for the raylet; a plain `ray start` does not). On loopback, or an IP no interface holds, the
+    libraries keep their own choice."""
+    ip = _own_ip()
+    if ip.startswith("127.") or "GLOO_SOCKET_IFNAME" in os.environ or "NCCL_SOCKET_IFNAME" in os.environ:
+        return
+    os.environ.update(socket_ifname_env(ip))
 
 
 def _drop_conflicting_env() -> None:
