@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fleetrl.cluster import auth, netenv
 from fleetrl.cluster.roles import RoleDecision, detect_role
+from fleetrl.config.load import redact_secrets, write_private
 
 STARTED_MARKER = "Ray runtime started"
 
@@ -297,8 +298,9 @@ def _launch(decision: RoleDecision, opts: UpOptions, node_ip: str, token: auth.C
             start_ticks=_start_ticks(proc.pid) or 0, log_path=str(log_path),
             dashboard_url=f"http://{opts.dashboard_host}:{opts.dashboard_port}" if decision.is_head else None,
             token_file=str(token.path.resolve()) if token.path else None, token_masked=token.masked,
-            env=extra_env)
-        state_file.write_text(json.dumps(asdict(state), indent=2))  # written first: `down` can always clean up
+            env=redact_secrets(extra_env))  # a record for people: `--env HF_TOKEN=...` must not land in it
+        # written first, so `down` can always clean up; 0600: it names the token file
+        write_private(state_file, json.dumps(asdict(state), indent=2))
         _wait_started(proc, log_path, opts.start_timeout_s, state_file)
     return state
 

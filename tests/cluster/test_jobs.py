@@ -45,6 +45,7 @@ def head():
                                "--dashboard-port", str(dash), "--token-file", str(root / "token"),
                                "--state-file", str(state), "--temp-dir", str(root / "t"), "--num-cpus", "2",
                                "--object-store-memory", str(80 * 2**20), "--wait-timeout", "60",
+                               "--env", "FLEETRL_TEST_API_KEY=hidden-value",
                                # Other Ray clusters on this machine (other tests) may hold the default ports.
                                f"--ray-arg=--dashboard-agent-listen-port={_free_port()}",
                                f"--ray-arg=--ray-client-server-port={_free_port()}"],
@@ -169,6 +170,12 @@ def test_submit_runs_fleetrl_train_on_the_cluster(head):
     assert "missing.yaml" in jobs.job_logs(head["url"], job_id, head["token"])
     listed = _cli("jobs", "list", "--address", head["url"], "--token-file", token_file)
     assert job_id in listed.output
+
+
+def test_state_file_is_private_and_redacts_secret_env(head):
+    assert head["state"].stat().st_mode & 0o777 == 0o600
+    assert read_state(head["state"]).env["FLEETRL_TEST_API_KEY"] == "***"
+    assert "hidden-value" not in head["state"].read_text()
 
 
 def test_logs_follow_streams_until_the_job_ends(head):
