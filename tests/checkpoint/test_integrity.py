@@ -127,3 +127,10 @@ def test_checkpoint_config_is_redacted_private_and_not_a_diff(run, saved_run):
                                                      f"trainer.output_dir={saved_run}", "trainer.total_steps=3"])
     diff = load_checkpoint(ckpt, groups=[], state={}, config=changed)
     assert "total_steps: 3" in diff and "s3cret" not in diff
+
+
+def test_training_resumes_from_the_intact_checkpoint(run):
+    _flip_middle_byte(sorted((run / "checkpoints" / "step_2" / "actor").glob("*.distcp"))[0])
+    records = train_run("examples/ppo_tiny.yaml", run, *RUN, "trainer.total_steps=3", "trainer.resume=auto")
+    assert [r["step"] for r in records if r.get("event") == "resumed"] == [1]
+    assert (run / "checkpoints" / "step_3" / "checksums.json").is_file()
