@@ -10,6 +10,7 @@ from typing import Callable, List, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 console = Console()
 err_console = Console(stderr=True)
@@ -32,7 +33,8 @@ def _user_errors(fn: Callable) -> Callable:
         except typer.Exit:  # click's Exit is a RuntimeError: let it through untouched
             raise
         except _USER_ERRORS as e:
-            err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True, highlight=False)
+            # Literal text: an error may quote paths or logs with [brackets] that rich would parse as markup.
+            err_console.print(Text.assemble(("error:", "bold red"), f" {e}"), soft_wrap=True, highlight=False)
             raise typer.Exit(2) from None
     return wrapper
 
@@ -90,10 +92,11 @@ def cluster_status(state_file: Optional[Path] = StateFile) -> None:
     if s.state is None:
         console.print("no Ray started by `fleetrl cluster up` on this node")
         raise typer.Exit(1)
-    console.print(f"{s.state.role} of {s.state.address} (pid {s.state.pid}, "
-                  f"{'running' if s.running else 'NOT running'}); token {s.state.token_masked}; log {s.state.log_path}")
+    console.print(Text(f"{s.state.role} of {s.state.address} (pid {s.state.pid}, "
+                       f"{'running' if s.running else 'NOT running'}); token {s.state.token_masked}; "
+                       f"log {s.state.log_path}"))
     if s.error:
-        console.print(f"[red]{s.error}[/]")
+        console.print(Text(str(s.error), style="red"))
     if s.nodes:
         table = Table("node", "alive", "CPU", "GPU", "memory GB")
         for n in s.nodes:
@@ -163,7 +166,7 @@ def jobs_list(address: str = Address, token_file: Optional[Path] = TokenFile) ->
 
     table = Table("job", "status", "entrypoint", "message")
     for j in list_jobs(address, _token(token_file)):
-        table.add_row(j.job_id, j.status, j.entrypoint, j.message)
+        table.add_row(*(Text(str(v)) for v in (j.job_id, j.status, j.entrypoint, j.message)))
     console.print(table)
 
 
@@ -173,7 +176,7 @@ def jobs_status(job_id: str, address: str = Address, token_file: Optional[Path] 
     from fleetrl.cluster.jobs import job_status
 
     j = job_status(address, job_id, _token(token_file))
-    console.print(f"{j.job_id}: {j.status}  {j.message}\n  {j.entrypoint}", highlight=False)
+    console.print(Text(f"{j.job_id}: {j.status}  {j.message}\n  {j.entrypoint}"), highlight=False)
 
 
 @_user_errors
