@@ -13,6 +13,14 @@ worker process of a timed-out call IS terminated. Process workers start with `mp
 safe alongside CUDA/Ray threads); they resolve scorer specs themselves, so a scorer added to SCORERS at run
 time in the parent is only seen by "fork" workers, and a script using process isolation needs the usual
 `if __name__ == "__main__":` guard under spawn.
+
+Isolation `auto` (the default) starts with threads, which cost nothing and see every scorer, and switches to
+process workers the first time a call times out: from then on a timed-out call is terminated instead of
+leaving a thread behind. A scorer whose last HUNG_AFTER calls all timed out (none returned in between) is
+treated as hung for the rest of the batch: its queued samples are not run and count as failed. So a scorer
+that never returns costs about ceil(HUNG_AFTER / num_workers) × timeout_s per batch, not one timeout per
+sample. A scorer that fails (error, timeout or skipped) on more than `max_failure_rate` of its samples in a
+batch raises ScorerFailureError, as soon as that is certain, instead of training on default scores.
 """
 from __future__ import annotations
 
@@ -29,13 +37,19 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from fleetrl.rewards.errors import RewardError
-from fleetrl.rewards.registry import RewardRouter, resolve_scorer
+from fleetrl.rewards.errors import RewardError, ScorerFailureError
+from fleetrl.rewards.registry import SCORERS, RewardRouter, resolve_scorer
 
 logger = logging.getLogger("fleetrl.rewards")
 
 MAX_ERROR_MESSAGES = 5
 WORKER_START_TIMEOUT_S = 120.0  # a spawned worker re-imports Python modules; slow file systems take a while
+# Three timeouts in a row with no call of that scorer returning in between: with the usual 4+ workers that is
+# the first round of calls, and a scorer that hangs only on some inputs almost never strings three together.
+HUNG_AFTER = 3
+ISOLATIONS = ("auto", "thread", "process")
+# What a spawned worker can resolve: file specs and the builtins (names registered at run time exist only here).
+_CHILD_SCORERS = frozenset(SCORERS)
 
 
 @dataclass
@@ -47,6 +61,10 @@ class RewardResult:
     num_timeouts: int = 0
     errors: list[str] = field(default_factory=list)  # the first MAX_ERROR_MESSAGES messages
     extras: list[dict] = field(default_factory=list)  # per sample: the non-"score" keys a scorer returned
+    num_skipped: int = 0  # samples not run: their scorer was found hung, or the batch already failed the rate
+    samples_by_scorer: dict[str, int] = field(default_factory=dict)
+    failed_by_scorer: dict[str, int] = field(default_factory=dict)  # errors + timeouts + skipped
+    sources_by_scorer: dict[str, set[str]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -98,6 +116,10 @@ class _Worker:
             self._proc.start()
             child.close()
 
+    @property
+    def is_thread(self) -> bool:
+        return self._proc is None
+
     def wait_ready(self) -> None:
         try:
             if not self.conn.poll(WORKER_START_TIMEOUT_S):
@@ -132,17 +154,22 @@ class RewardRunner:
     """Scores a batch of responses with the scorers `router` picks, num_workers calls at a time."""
 
     def __init__(self, router: RewardRouter, *, timeout_s: float = 10.0, default_score: float = 0.0,
-                 num_workers: int = 4, isolation: str = "thread", mp_context: str = "spawn") -> None:
-        if isolation not in ("thread", "process"):
-            raise RewardError(f"rewards.isolation must be 'thread' or 'process', got {isolation!r}")
+                 num_workers: int = 4, isolation: str = "auto", mp_context: str = "spawn",
+                 max_failure_rate: float = 1.0) -> None:
+        if isolation not in ISOLATIONS:
+            raise RewardError(f"rewards.isolation must be one of {ISOLATIONS}, got {isolation!r}")
         if not timeout_s > 0 or num_workers < 1:
             raise RewardError(f"rewards.timeout_s must be > 0 and rewards.num_workers >= 1; got "
                               f"timeout_s={timeout_s}, num_workers={num_workers}")
+        if not 0.0 <= max_failure_rate <= 1.0:
+            raise RewardError(f"rewards.max_failure_rate must be in [0, 1] (1 = never stop), got {max_failure_rate}")
         self.router = router
         self.timeout_s = timeout_s
         self.default_score = default_score
         self.num_workers = num_workers
         self.isolation = isolation
+        self.max_failure_rate = max_failure_rate
+        self._mp_context = mp_context
         self._ctx = multiprocessing.get_context(mp_context) if isolation == "process" else None
         self._idle: list[_Worker] = []
         self._logged: set[str] = set()
@@ -152,14 +179,17 @@ class RewardRunner:
 
     def score(self, responses: list[str], ground_truths: list, data_sources: list[str],
               extra_infos: list[dict]) -> RewardResult:
-        """One score per response; failures and timeouts get `default_score` and are counted, never raised."""
+        """One score per response; failures get `default_score` and are counted. Raises ScorerFailureError
+        when a scorer fails on more than max_failure_rate of its samples (checked per call, i.e. per step)."""
         n = len(responses)
         if not (len(ground_truths) == len(data_sources) == len(extra_infos) == n):
             raise ValueError(f"RewardRunner.score: lengths differ (responses {n}, ground_truths "
                              f"{len(ground_truths)}, data_sources {len(data_sources)}, extra_infos {len(extra_infos)})")
         specs = [self.router.spec_for(ds) for ds in data_sources]
         tasks = [(s, r, g, e or {}) for s, r, g, e in zip(specs, responses, ground_truths, extra_infos)]
-        return self._collect(self._run(tasks), specs, data_sources)
+        result = self._collect(self._run(tasks), specs, data_sources)
+        check_failure_rate(result, self.max_failure_rate, f"per-sample limit rewards.timeout_s={self.timeout_s:g}")
+        return result
 
     def close(self) -> None:
         _close_all(self._idle)
@@ -172,10 +202,11 @@ class RewardRunner:
 
     # ------------------------------------------------------------------------------------- dispatching
     def _run(self, tasks: list[tuple]) -> list[tuple[str, Any]]:
-        """("ok", value) | ("error", message) | ("timeout", None) for each task, in order."""
+        """("ok", value) | ("error", message) | ("timeout", None) | ("skipped" | "abandoned", why) per task."""
         outcomes: list[tuple[str, Any]] = [("error", "not run")] * len(tasks)
         todo = deque(range(len(tasks)))
         busy: dict[Connection, tuple[_Worker, int, float]] = {}
+        tally = _Tally([t[0] for t in tasks], self.max_failure_rate)
         while todo or busy:
             self._dispatch(tasks, todo, busy, outcomes)
             if not busy:
@@ -189,7 +220,13 @@ class RewardRunner:
                 except (EOFError, OSError):
                     outcomes[i] = ("error", "the reward worker died during the call (crash or exit in the scorer)")
                     worker.kill()
-            self._expire(busy, outcomes)
+                tally.returned(tasks[i][0], failed=outcomes[i][0] != "ok")
+            for i in self._expire(busy, outcomes):
+                self._escalate(tasks[i][0])
+                if tally.timed_out(tasks[i][0]):
+                    self._skip_hung(tasks[i][0], tasks, todo, outcomes, tally)
+            if tally.certain_to_fail():  # the batch will raise anyway: stop paying for the rest of it
+                self._abandon(busy, todo, outcomes)
         return outcomes
 
     def _dispatch(self, tasks: list[tuple], todo: deque, busy: dict, outcomes: list) -> None:
@@ -208,25 +245,65 @@ class RewardRunner:
             busy[worker.conn] = (worker, todo.popleft(), time.monotonic())
 
     def _fill_idle(self, want: int) -> None:
-        fresh = [_Worker(self._ctx) for _ in range(want - len(self._idle))]
-        for worker in fresh:  # started together, waited for together: spawn start-up overlaps
-            worker.wait_ready()
+        try:
+            fresh = [_Worker(self._ctx) for _ in range(want - len(self._idle))]
+            for worker in fresh:  # started together, waited for together: spawn start-up overlaps
+                worker.wait_ready()
+        except RuntimeError:
+            if self.isolation != "auto" or self._ctx is None:
+                raise
+            # e.g. a script without the `if __name__ == "__main__":` guard that spawn needs: keep threads.
+            logger.warning("rewards.isolation=auto could not start reward worker processes; staying with threads "
+                           "(a timed-out call keeps running in the background)")
+            self._ctx = None
+            fresh = [_Worker(None) for _ in range(want - len(self._idle))]
         self._idle.extend(fresh)
 
-    def _expire(self, busy: dict, outcomes: list) -> None:
-        now = time.monotonic()
+    def _expire(self, busy: dict, outcomes: list) -> list[int]:
+        """Marks calls older than timeout_s as timed out, stops their workers; returns their task indices."""
+        now, expired = time.monotonic(), []
         for conn, (worker, i, start) in list(busy.items()):
             if now - start >= self.timeout_s:
                 del busy[conn]
                 outcomes[i] = ("timeout", None)
+                expired.append(i)
                 worker.kill()
-                if self._ctx is None:
-                    self.num_abandoned_threads += 1
+                self.num_abandoned_threads += worker.is_thread
+        return expired
+
+    def _escalate(self, spec: str) -> None:
+        """isolation=auto: after a timeout, new workers are processes, so the next timed-out call is killed."""
+        if self.isolation != "auto" or self._ctx is not None or (":" not in spec and spec not in _CHILD_SCORERS):
+            return
+        logger.warning("a reward call timed out after %gs; rewards.isolation=auto now scores in worker processes "
+                       "so that timed-out calls are terminated, not left running", self.timeout_s)
+        _close_all(self._idle)  # idle threads are replaced by processes as calls are dispatched
+        self._ctx = multiprocessing.get_context(self._mp_context)
+
+    def _skip_hung(self, spec: str, tasks: list, todo: deque, outcomes: list, tally: "_Tally") -> None:
+        why = f"not run: the scorer timed out on {HUNG_AFTER} calls in a row in this batch"
+        for i in [i for i in todo if tasks[i][0] == spec]:
+            todo.remove(i)
+            outcomes[i] = ("skipped", why)
+            tally.skipped(spec)
+
+    def _abandon(self, busy: dict, todo: deque, outcomes: list) -> None:
+        # "abandoned", not "skipped": these samples' scorers did nothing wrong and are not counted as failing.
+        why = f"not run: the batch already failed rewards.max_failure_rate={self.max_failure_rate:g}"
+        for worker, i, _ in busy.values():
+            worker.kill()
+            self.num_abandoned_threads += worker.is_thread
+            outcomes[i] = ("abandoned", why)
+        busy.clear()
+        while todo:
+            outcomes[todo.popleft()] = ("abandoned", why)
 
     # ---------------------------------------------------------------------------------------- results
     def _collect(self, outcomes: list[tuple[str, Any]], specs: list[str], sources: list[str]) -> RewardResult:
         result = RewardResult(scores=[])
         for i, (kind, value) in enumerate(outcomes):
+            result.samples_by_scorer[specs[i]] = result.samples_by_scorer.get(specs[i], 0) + 1
+            result.sources_by_scorer.setdefault(specs[i], set()).add(sources[i])
             if kind == "ok":
                 try:
                     score, extras = _as_score(value)
@@ -237,9 +314,15 @@ class RewardRunner:
                     kind, value = "error", str(exc)
             result.scores.append(float(self.default_score))
             result.extras.append({})
+            if kind == "abandoned":
+                result.num_skipped += 1
+                continue
+            result.failed_by_scorer[specs[i]] = result.failed_by_scorer.get(specs[i], 0) + 1
             if kind == "timeout":
                 result.num_timeouts += 1
                 value = f"no result within {self.timeout_s}s" + self._abandon_note()
+            elif kind == "skipped":
+                result.num_skipped += 1
             else:
                 result.num_errors += 1
             message = f"reward scorer {specs[i]!r} failed on sample {i} (data_source {sources[i]!r}): {value}"
@@ -259,6 +342,52 @@ class RewardRunner:
             self._logged.add(spec)
             logger.warning("%s; later failures of this scorer are counted in the reward metrics, not logged",
                            message)
+
+
+class _Tally:
+    """Per-scorer counts within one batch: timeout streaks (hung?) and failures (certain to exceed the rate?)."""
+
+    def __init__(self, specs: list[str], max_failure_rate: float) -> None:
+        self.total: dict[str, int] = {}
+        for spec in specs:
+            self.total[spec] = self.total.get(spec, 0) + 1
+        self.failed = dict.fromkeys(self.total, 0)
+        self.streak = dict.fromkeys(self.total, 0)
+        self.rate = max_failure_rate
+
+    def returned(self, spec: str, failed: bool) -> None:
+        self.streak[spec] = 0  # it answered (even with an error): not hung
+        self.failed[spec] += failed
+
+    def timed_out(self, spec: str) -> bool:
+        """Counts a timeout; True the moment the scorer reaches HUNG_AFTER timeouts in a row."""
+        self.failed[spec] += 1
+        self.streak[spec] += 1
+        return self.streak[spec] == HUNG_AFTER
+
+    def skipped(self, spec: str) -> None:
+        self.failed[spec] += 1
+
+    def certain_to_fail(self) -> bool:
+        return self.rate < 1.0 and any(self.failed[s] > self.rate * self.total[s] for s in self.total)
+
+
+def check_failure_rate(result: RewardResult, max_rate: float, limit_note: str) -> None:
+    """Raises ScorerFailureError naming every scorer that failed on more than max_rate of its samples."""
+    if max_rate >= 1.0:
+        return
+    bad = [s for s, n in result.samples_by_scorer.items() if result.failed_by_scorer.get(s, 0) > max_rate * n]
+    if not bad:
+        return
+    lines = [f"reward scorer {s!r} (data_source {', '.join(sorted(result.sources_by_scorer.get(s, ())))}) failed "
+             f"on {result.failed_by_scorer[s]} of {result.samples_by_scorer[s]} samples" for s in bad]
+    first = next((e for e in result.errors if any(repr(s) in e for s in bad)), "")
+    raise ScorerFailureError(
+        "; ".join(lines) + f" in this batch ({result.num_errors} errors, {result.num_timeouts} timeouts, "
+        f"{result.num_skipped} not run after repeated timeouts, {limit_note}), above rewards.max_failure_rate="
+        f"{max_rate:g}. First failure: {first}. Fix the scorer (run it by hand on a few responses), raise "
+        f"rewards.timeout_s if it is only slow, or set rewards.max_failure_rate=1.0 to keep training on "
+        f"default scores")
 
 
 def _close_all(workers: list[_Worker]) -> None:

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from fleetrl.rewards import RewardError, RewardRouter, RewardRunner
+from fleetrl.rewards.errors import ScorerFailureError
 
 SCORERS_FILE = """
 import os
@@ -31,6 +32,14 @@ def with_metrics(response, ground_truth, extra_info):
 
 def die(response, ground_truth, extra_info):
     os._exit(3)
+
+def flaky(response, ground_truth, extra_info):
+    if response == "x":
+        raise ValueError("cannot score x")
+    return 1.0
+
+def forever(response, ground_truth, extra_info):
+    time.sleep(3600)
 """
 
 
@@ -38,7 +47,7 @@ def die(response, ground_truth, extra_info):
 def router(tmp_path):
     path = tmp_path / "scorers.py"
     path.write_text(SCORERS_FILE)
-    names = ["ok", "boom", "sleepy", "bad_return", "with_metrics", "die"]
+    names = ["ok", "boom", "sleepy", "bad_return", "with_metrics", "die", "flaky", "forever"]
     return RewardRouter({name: f"{path}:{name}" for name in names})
 
 
@@ -88,3 +97,49 @@ def test_unknown_source_and_bad_settings(router):
     with pytest.raises(RewardError, match="isolation"):
         RewardRunner(router, isolation="fiber")
     assert score(runner, [], []).scores == []
+
+
+TIMEOUT_S = 1.0
+
+
+def test_scorer_that_never_returns_stops_the_run_naming_it_within_bounded_time(router):
+    # 16 samples, 4 workers, timeout 1 s. Without the hung-scorer rule this costs 16 / 4 × 1 s = 4 s; with it the
+    # first round of 4 timeouts (≥ HUNG_AFTER = 3 in a row) marks the scorer hung and the other 12 are not run:
+    # 16 failed of 16 > 0.5 × 16, so the batch raises after ~1 s.
+    with RewardRunner(router, timeout_s=TIMEOUT_S, num_workers=4, max_failure_rate=0.5) as runner:
+        start = time.monotonic()
+        with pytest.raises(ScorerFailureError, match=r"scorer '.*scorers.py:forever' \(data_source forever\) failed "
+                                                    r"on 16 of 16 samples.*max_failure_rate=0.5") as err:
+            score(runner, ["forever"] * 16, ["a"] * 16)
+        elapsed = time.monotonic() - start
+    assert elapsed < 3 * TIMEOUT_S, f"a hung scorer cost {elapsed:.1f}s for one batch"
+    assert "4 timeouts, 12 not run" in str(err.value)
+
+
+def test_hung_scorer_without_a_rate_limit_is_isolated_and_counted_each_batch(router):
+    # max_failure_rate=1 (never stop): each batch still costs one round of timeouts, the good scorer's samples
+    # still score, and after the first timeout (isolation=auto) the workers are processes that get killed.
+    with RewardRunner(router, timeout_s=TIMEOUT_S, num_workers=4) as runner:
+        for batch in range(2):
+            start = time.monotonic()
+            result = score(runner, ["forever"] * 12 + ["ok"] * 4, ["a"] * 16)
+            elapsed = time.monotonic() - start
+            assert elapsed < 3 * TIMEOUT_S, f"batch {batch}: a hung scorer cost {elapsed:.1f}s"
+            assert result.scores == [0.0] * 12 + [1.0] * 4
+            assert result.num_timeouts + result.num_skipped == 12 and result.num_timeouts >= 3
+            assert result.failed_by_scorer == {runner.router.spec_for("forever"): 12}
+        # Only the first round ran on threads (abandoned); the second batch's timed-out processes were killed.
+        assert runner.num_abandoned_threads <= 4 and runner._ctx is not None
+
+
+def test_failure_rate_counts_errors_per_scorer(router):
+    # boom fails 2 of 2 (> 0.5 × 2) while ok succeeds: the error names boom only.
+    with RewardRunner(router, max_failure_rate=0.5, isolation="thread") as runner:
+        with pytest.raises(ScorerFailureError, match=r"scorers.py:boom' \(data_source boom\) failed on 2 of 2") as err:
+            score(runner, ["boom", "ok", "boom", "ok"], ["x", "a", "y", "a"])
+        assert "scorers.py:ok'" not in str(err.value).split("First failure")[0]
+        # flaky fails 1 of 2, not above 0.5 × 2 = 1: scored, not raised.
+        result = score(runner, ["flaky", "ok", "flaky"], ["x", "a", "y"])
+        assert result.scores == [0.0, 1.0, 1.0] and result.num_errors == 1
+    with pytest.raises(RewardError, match="max_failure_rate must be in"):
+        RewardRunner(router, max_failure_rate=1.5)
