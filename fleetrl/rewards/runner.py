@@ -381,7 +381,8 @@ def check_failure_rate(result: RewardResult, max_rate: float, limit_note: str) -
         return
     lines = [f"reward scorer {s!r} (data_source {', '.join(sorted(result.sources_by_scorer.get(s, ())))}) failed "
              f"on {result.failed_by_scorer[s]} of {result.samples_by_scorer[s]} samples" for s in bad]
-    first = next((e for e in result.errors if any(repr(s) in e for s in bad)), "")
+    first = next((e for e in result.errors if any(repr(s) in e for s in bad)),
+                 result.errors[0] if result.errors else "none recorded")
     raise ScorerFailureError(
         "; ".join(lines) + f" in this batch ({result.num_errors} errors, {result.num_timeouts} timeouts, "
         f"{result.num_skipped} not run after repeated timeouts, {limit_note}), above rewards.max_failure_rate="

@@ -73,7 +73,7 @@ class RewardServer:
         with self._lock:
             result = self.runner.score(*(batch[k] for k in FIELDS))
         return {"scores": result.scores, "num_errors": result.num_errors, "num_timeouts": result.num_timeouts,
-                "errors": result.errors}
+                "num_skipped": result.num_skipped, "errors": result.errors, "scorer": self.opts.fn}
 
 
 def serve(opts: ServeOptions) -> None:
