@@ -72,3 +72,27 @@ def test_returns_once_released_resources_show_up():
     calls = []
     wait_for_capacity(plan, timeout_s=10, poll_s=0.01, observe=lambda: calls.append(1) or next(views))
     assert len(calls) == 3  # wait, wait, ready
+
+
+@pytest.mark.slow
+def test_real_cluster_node_removed_fails_fast_with_fallback():
+    # A two-node ray.cluster_utils cluster; the plan needs both nodes. Once the worker node is removed and Ray
+    # reports it dead, the wait gives up in seconds instead of waiting the 60 s restart_wait_s.
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        worker = cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        plan = derive_plan(load_config("examples/quickstart.yaml", TWO_NODES + FALLBACK))
+        wait_for_capacity(plan, timeout_s=30)  # both nodes alive: returns at once
+        cluster.remove_node(worker)
+        start = time.monotonic()
+        with pytest.raises(PlacementError, match=r"not waiting trainer.restart_wait_s"):
+            wait_for_capacity(plan, timeout_s=60, poll_s=0.5)
+        assert time.monotonic() - start < 15  # Ray's own death detection for a removed (killed) node included
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
