@@ -235,15 +235,22 @@ def dstack(
 def serve_reward(
     fn: str = typer.Option(..., "--fn", help="Scorer: path/to/file.py:fn or a builtin name."),
     host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
-    token: Optional[str] = typer.Option(None, "--token", envvar="FLEETRL_REWARD_TOKEN",
-                                        help="Bearer token; required when --host is not loopback."),
+    token_file: Optional[Path] = typer.Option(None, "--token-file", help="File holding the bearer token "
+                                              "(default: FLEETRL_REWARD_TOKEN); required beyond loopback."),
+    token: Optional[str] = typer.Option(None, "--token", help="Bearer token (visible in `ps`: prefer "
+                                                              "--token-file or FLEETRL_REWARD_TOKEN)."),
     max_body_bytes: int = typer.Option(64 * 2**20, "--max-body-bytes"),
     timeout: float = typer.Option(30.0, "--timeout", help="Per-sample scoring limit (s)."),
+    max_connections: int = typer.Option(32, "--max-connections", help="Requests handled at once; more get 503."),
+    read_timeout: float = typer.Option(10.0, "--read-timeout", help="Seconds a client may take to send a request "
+                                                                    "head, or stall while sending a body."),
 ) -> None:
     """Serve a reward function over HTTP (GET /health, POST /score)."""
-    from fleetrl.rewards.server import ServeOptions, serve
+    from fleetrl.rewards.server import ServeOptions, resolve_token, serve
 
-    serve(ServeOptions(fn=fn, host=host, port=port, token=token, max_body_bytes=max_body_bytes, timeout_s=timeout))
+    serve(ServeOptions(fn=fn, host=host, port=port, token=resolve_token(token, token_file),
+                       max_body_bytes=max_body_bytes, timeout_s=timeout, max_connections=max_connections,
+                       read_timeout_s=read_timeout))
 
 
 def register(app: typer.Typer) -> None:

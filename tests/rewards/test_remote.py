@@ -1,6 +1,7 @@
 """`fleetrl serve-reward` and RemoteRewardClient: scoring, auth, limits, slow and missing servers, load sharing."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -129,7 +130,7 @@ def test_wrong_or_missing_token_is_rejected(scorers):
 
 
 def test_non_loopback_bind_needs_a_token(scorers):
-    with pytest.raises(ValueError, match="pass --token"):
+    with pytest.raises(ValueError, match="set a token"):
         RewardServer(ServeOptions(fn=f"{scorers}:match", host="0.0.0.0", port=0))
 
 
@@ -197,8 +198,9 @@ def test_serve_reward_command(scorers):
         port = s.getsockname()[1]
     cli = [sys.executable, "-m", "fleetrl.cli.main", "serve-reward", "--fn", f"{scorers}:match"]
     refused = subprocess.run(cli + ["--host", "0.0.0.0"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert refused.returncode == 2 and "pass --token" in refused.stderr
-    proc = subprocess.Popen(cli + ["--port", str(port), "--token", TOKEN], cwd=REPO, stdout=subprocess.DEVNULL,
+    assert refused.returncode == 2 and "set a token (--token-file FILE or FLEETRL_REWARD_TOKEN" in refused.stderr
+    env = {**os.environ, "FLEETRL_REWARD_TOKEN": TOKEN}  # the token never appears on the command line
+    proc = subprocess.Popen(cli + ["--port", str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         client = RemoteRewardClient([f"127.0.0.1:{port}"], token=TOKEN, timeout_s=2)
