@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal
+from typing import Literal
 
 import ray
 

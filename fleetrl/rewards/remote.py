@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import requests
 
-from fleetrl.rewards.runner import RewardResult, check_failure_rate
+from fleetrl.rewards.failures import RewardResult, check_failure_rate
 
 START_HINT = ("start one with `FLEETRL_REWARD_TOKEN=SECRET fleetrl serve-reward --fn path/to/file.py:fn --host 0.0.0.0 "
               "--port 8000` and list it in rewards.remote_urls (with rewards.remote_token = SECRET)")
@@ -137,7 +137,7 @@ class RemoteRewardClient:
 def _merge(replies: list[tuple[str, dict]], sources: list[list[str]]) -> RewardResult:
     """Sub-batch answers -> one result; failures are counted per server (each serves one scorer)."""
     result = RewardResult(scores=[])
-    for (url, body), part_sources in zip(replies, sources):
+    for (url, body), part_sources in zip(replies, sources, strict=True):
         failed = sum(int(body.get(k, 0)) for k in ("num_errors", "num_timeouts", "num_skipped"))
         result.scores.extend(float(s) for s in body["scores"])
         result.num_errors += int(body.get("num_errors", 0))

@@ -29,10 +29,11 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from fleetrl.rewards.registry import RewardRouter
 from fleetrl.rewards.runner import RewardRunner
