@@ -197,7 +197,7 @@ class RewardRunner:
                 worker, i, _ = busy.pop(conn)  # type: ignore[call-overload]
                 try:
                     outcomes[i] = conn.recv()  # type: ignore[union-attr]
-                    self._idle.append(worker)
+                    self._keep(worker)
                 except (EOFError, OSError):
                     outcomes[i] = ("error", "the reward worker died during the call (crash or exit in the scorer)")
                     worker.kill()
@@ -224,6 +224,12 @@ class RewardRunner:
                 self._idle.append(worker)
                 continue
             busy[worker.conn] = (worker, todo.popleft(), time.monotonic())
+
+    def _keep(self, worker: _Worker) -> None:
+        if worker.is_thread and self._ctx is not None:  # escalated to processes while this call ran
+            worker.close()
+        else:
+            self._idle.append(worker)
 
     def _fill_idle(self, want: int) -> None:
         try:

@@ -143,3 +143,15 @@ def test_failure_rate_counts_errors_per_scorer(router):
         assert result.scores == [0.0, 1.0, 1.0] and result.num_errors == 1
     with pytest.raises(RewardError, match="max_failure_rate must be in"):
         RewardRunner(router, max_failure_rate=1.5)
+
+
+def test_a_scorer_that_hangs_only_on_some_inputs_is_not_declared_hung(router):
+    # One worker, so calls run in order. "sleepy" hangs on "hang". Timeout streaks: 1, 2, reset by "fast", 1, 2,
+    # reset: never 3 in a row, so every sample runs (4 timeouts, 0 skipped).
+    with RewardRunner(router, timeout_s=0.3, num_workers=1, isolation="process") as runner:
+        result = score(runner, ["sleepy"] * 6, ["hang", "hang", "fast", "hang", "hang", "fast"])
+        assert (result.num_timeouts, result.num_skipped) == (4, 0) and result.scores[2] == result.scores[5] == 1.0
+        # Three in a row (streak 3) marks it hung: the "fast" sample after them is not run.
+        result = score(runner, ["sleepy"] * 4, ["hang", "hang", "hang", "fast"])
+        assert (result.num_timeouts, result.num_skipped) == (3, 1)
+        assert "timed out on 3 calls in a row" in result.errors[3]
