@@ -9,6 +9,8 @@ are back). A 4xx answer is a request or configuration problem (wrong token, batc
 RemoteRewardError at once. Every wait is bounded: connecting by `connect_timeout_s`, the start-up /health check
 by `connect_timeout_s` (a server that accepts and never answers fails start-up in seconds, not after the
 scoring timeout), one /score by `timeout_s`, so one sub-batch by (retries + 1) × timeout_s + the backoffs.
+While a /score is pending the client probes /health every `connect_timeout_s`; a server that misses
+HEALTH_MISSES probes in a row is frozen, and the attempt ends then rather than after `timeout_s`.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import requests
 
 from fleetrl.rewards.failures import RewardResult, check_failure_rate
 
+HEALTH_MISSES = 2  # /health probes in a row without an answer that end a /score attempt early
 START_HINT = ("start one with `FLEETRL_REWARD_TOKEN=SECRET fleetrl serve-reward --fn path/to/file.py:fn --host 0.0.0.0 "
               "--port 8000` and list it in rewards.remote_urls (with rewards.remote_token = SECRET)")
 
@@ -32,6 +35,10 @@ class RemoteRewardError(RuntimeError):
 
 class RewardServerLostError(RemoteRewardError):
     """Every attempt at a sub-batch failed (timeout, refused connection, 5xx): recoverable like a lost worker."""
+
+
+class _Frozen(Exception):
+    """The server stopped answering /health during a /score: retrying elsewhere may help."""
 
 
 class _Refused(Exception):
@@ -106,9 +113,11 @@ class RemoteRewardClient:
         for attempt in range(self.retries + 1):
             url = self.urls[(start + attempt) % len(self.urls)]
             try:
-                return url, self._post(url, payload)
+                return url, self._post_watched(url, payload)
             except _Refused as e:
                 raise RemoteRewardError(str(e)) from None
+            except _Frozen as e:
+                failures.append(f"{url}: {e}")
             except (requests.RequestException, ValueError) as e:
                 failures.append(f"{url}: {_reason(e, self.timeout_s)}")
             if attempt < self.retries:
@@ -117,6 +126,39 @@ class RemoteRewardClient:
             f"scoring {len(payload['responses'])} samples failed after {self.retries + 1} attempts "
             f"(rewards.remote_retries={self.retries}): " + "; ".join(failures) + ". Check the servers' logs, raise "
             f"rewards.remote_timeout_s if scoring is only slow, or {START_HINT}")
+
+    def _post_watched(self, url: str, payload: dict) -> dict:
+        """_post, given up early when the server stops answering /health while it scores (a frozen process or
+        host), instead of after the full timeout_s. A slow scorer on a live server still gets all of timeout_s.
+        The abandoned request's thread ends at its own timeout."""
+        done, box = threading.Event(), {}
+
+        def post() -> None:
+            try:
+                box["body"] = self._post(url, payload)
+            except BaseException as e:  # noqa: BLE001 — handed to the caller's thread as is
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=post, daemon=True, name="fleetrl-reward-post").start()
+        misses = 0
+        while not done.wait(self.connect_timeout_s):
+            misses = 0 if self._answers(url) else misses + 1
+            if misses == HEALTH_MISSES:
+                raise _Frozen(f"stopped answering /health while scoring ({HEALTH_MISSES} checks of "
+                              f"{self.connect_timeout_s:g}s, rewards.remote_connect_timeout_s)")
+        if "error" in box:
+            raise box["error"]
+        return box["body"]
+
+    def _answers(self, url: str) -> bool:
+        """Any HTTP answer (even 503: all handler slots busy) means the server process is alive."""
+        try:
+            requests.get(f"{url}/health", headers=self._headers, timeout=(self.connect_timeout_s,) * 2)
+            return True
+        except requests.RequestException:
+            return False
 
     def _post(self, url: str, payload: dict) -> dict:
         r = requests.post(f"{url}/score", json=payload, headers=self._headers,

@@ -235,8 +235,9 @@ def test_black_hole_server_fails_start_up_in_seconds_not_the_scoring_timeout():
 
 def test_hung_score_is_retried_within_a_bounded_time_then_recoverable():
     # 1 + 2 retries of a 1 s read timeout, backoffs 0.1 + 0.2 s: about 3.3 s, and never the 120 s default.
+    # (connect_timeout_s=3: the /health probes, every 3 s, never start before the 1 s read timeout.)
     with black_hole() as hole:
-        client = RemoteRewardClient([hole], timeout_s=1, retries=2, backoff_s=0.1, connect_timeout_s=1)
+        client = RemoteRewardClient([hole], timeout_s=1, retries=2, backoff_s=0.1, connect_timeout_s=3)
         start = time.monotonic()
         with pytest.raises(RewardServerLostError, match="failed after 3 attempts") as err:
             client.score(["a"], ["a"], ["d"], [{}])
@@ -252,3 +253,21 @@ def test_remote_failure_rate_names_the_server(scorers):
                                                      r"on 2 of 3 samples.*First failure: .*cannot score x"):
             client.score(["x", "x", "ok"], [1, 1, 1], ["d"] * 3, [{}] * 3)
         assert client.score(["x", "ok", "ok"], [1, 1, 1], ["d"] * 3, [{}] * 3) == [0.0, 1.0, 1.0]
+
+
+def test_frozen_server_is_given_up_on_by_health_probes_not_the_scoring_timeout():
+    # /score timeout 120 s, but the black hole also misses /health: probes every 0.3 s (each waiting up to 0.3 s),
+    # 2 misses in a row end the attempt after about 2 × (0.3 + 0.3) = 1.2 s. No retries: one attempt.
+    with black_hole() as hole:
+        client = RemoteRewardClient([hole], timeout_s=120, retries=0, connect_timeout_s=0.3)
+        start = time.monotonic()
+        with pytest.raises(RewardServerLostError, match=r"stopped answering /health while scoring \(2 checks"):
+            client.score(["a"], ["a"], ["d"], [{}])
+        assert time.monotonic() - start < 5.0
+
+
+def test_slow_scorer_on_a_live_server_keeps_its_full_timeout(scorers):
+    # "slow" takes 1 s per sample; probes every 0.2 s get answers (the server is alive), so the attempt is not cut.
+    with serving(f"{scorers}:slow") as server:
+        client = RemoteRewardClient([server.url], timeout_s=5, retries=0, connect_timeout_s=0.2)
+        assert client.score(["a"], ["a"], ["d"], [{}]) == [1.0]
