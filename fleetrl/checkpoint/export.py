@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fleetrl.errors import UserError
 from fleetrl.models.hf import DTYPES, load_causal_lm, load_tokenizer
 
 META_FILE = "meta.json"
@@ -29,7 +30,7 @@ META_KEYS = ("step", "model_path", "tokenizer_path", "dtype")
 _SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint folder that cannot be read; the message names the path and what to do about it."""
 
 

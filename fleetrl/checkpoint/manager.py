@@ -14,72 +14,94 @@ import difflib
 import json
 import logging
 import os
-import random
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
-import numpy as np
 import torch
 
+from fleetrl.checkpoint.export import CheckpointError, read_meta
 from fleetrl.config import dump_yaml
+from fleetrl.config.schema import RunConfig
 
 if TYPE_CHECKING:
-    from fleetrl.trainer.trainer import Trainer
+    from fleetrl.cluster.group import WorkerGroup
 
 log = logging.getLogger("fleetrl.checkpoint")
 COMPLETE_MARK = "meta.json"
+__all__ = ["CheckpointError", "Stateful", "find_resume", "load_checkpoint", "save_checkpoint"]
 
 
-class CheckpointError(RuntimeError):
-    pass
+class Stateful(Protocol):
+    """A part of the controller that saves itself (the manager never reads a trainer's fields)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def checkpoint_root(out_dir: Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
-def save_checkpoint(trainer: "Trainer") -> Path:
+def save_checkpoint(out_dir: Path, step: int, *, groups: Sequence["WorkerGroup"], state: Mapping[str, Stateful],
+                    config: RunConfig, actor: "WorkerGroup | None" = None) -> Path:
+    """Writes OUT/checkpoints/step_N atomically. `groups`: every worker group (each worker saves its share);
+    `state`: the controller's parts by name; `actor`: the actor's group when delta checkpoints are on."""
     from fleetrl.workers.worker import Worker
 
-    root = checkpoint_root(trainer.out_dir)
-    final = root / f"step_{trainer.step}"
-    tmp = root / f"step_{trainer.step}.tmp"
+    root = checkpoint_root(out_dir)
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "workers").mkdir(parents=True)
-    for name, group in trainer.groups.items():
+    for group in groups:
         group.call_all(Worker.save_state, str(tmp))
-    torch.save(controller_state(trainer), tmp / "controller.pt")
-    (tmp / "config.yaml").write_text(dump_yaml(trainer.cfg))
-    m = trainer.cfg.model
-    meta = {"step": trainer.step, "model_path": m.path, "tokenizer_path": m.tokenizer or m.path, "dtype": m.dtype,
-            "roles": sorted(trainer.plan.roles)}
-    if trainer.cfg.trainer.delta_checkpoints != "off" and "actor" in trainer.plan.roles:
-        _save_delta(trainer, tmp, meta)
+    torch.save({name: part.state_dict() for name, part in state.items()}, tmp / "controller.pt")
+    (tmp / "config.yaml").write_text(dump_yaml(config))
+    m = config.model
+    meta = {"step": step, "model_path": m.path, "tokenizer_path": m.tokenizer or m.path, "dtype": m.dtype}
+    if actor is not None:
+        _save_delta(actor, config, root, step, tmp, meta)
     (tmp / COMPLETE_MARK).write_text(json.dumps(meta, indent=1))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)  # atomic on one filesystem: a crash leaves step_N.tmp, never a half step_N
     _write_latest(root, final.name)
-    prune(root, trainer.cfg.trainer.keep_last, trainer.cfg.trainer.keep_every)
+    prune(root, config.trainer.keep_last, config.trainer.keep_every)
     return final
 
 
-def _save_delta(trainer: "Trainer", tmp: Path, meta: dict) -> None:
+def load_checkpoint(path: Path, *, groups: Sequence["WorkerGroup"], state: Mapping[str, Stateful],
+                    config: RunConfig) -> str:
+    """Loads every worker's share and the controller's parts. Returns the diff of the checkpoint's config
+    against `config` ('' when equal) for the caller to report."""
+    from fleetrl.workers.worker import Worker
+
+    saved = torch.load(path / "controller.pt", weights_only=False)
+    for group in groups:
+        group.call_all(Worker.load_state, str(path))
+    for name, part in state.items():
+        part.load_state_dict(saved[name])
+    diff = difflib.unified_diff((path / "config.yaml").read_text().splitlines(), dump_yaml(config).splitlines(),
+                                "checkpoint config", "current config", lineterm="", n=0)
+    return "\n".join(list(diff)[2:])
+
+
+def _save_delta(actor: "WorkerGroup", config: RunConfig, root: Path, step: int, tmp: Path, meta: dict) -> None:
     """Change of the actor since the previous delta checkpoint (or the base model), changed tensors only."""
     from fleetrl.checkpoint.delta import apply_deltas, load_delta, make_delta, save_delta
     from fleetrl.models.hf import load_causal_lm
     from fleetrl.workers.worker import Worker
 
-    m = trainer.cfg.model
-    new = trainer.group("actor").call_all(Worker.model_state, "actor")[0]
-    chain = delta_chain(checkpoint_root(trainer.out_dir), trainer.step)
+    m = config.model
+    new = actor.call_all(Worker.model_state, "actor")[0]
+    chain = delta_chain(root, step)
     base = load_causal_lm(m.path, dtype=m.dtype).state_dict()
     previous = apply_deltas(base, [load_delta(p) for p in chain]) if chain else base
     prev_step = int(chain[-1].parent.name[5:]) if chain else 0
-    kind = trainer.cfg.trainer.delta_checkpoints
+    kind = config.trainer.delta_checkpoints
     delta = make_delta(previous, new, mode="exact" if kind == "exact" else "diff", bits=8 if kind == "int8" else None,
-                       base_model=m.path, base_step=prev_step, step=trainer.step)
+                       base_model=m.path, base_step=prev_step, step=step)
     save_delta(delta, tmp / "delta.safetensors")
     meta["delta"] = {"mode": kind, "base_step": prev_step, "nbytes": delta.nbytes,
                      "error": {k: v for k, v in delta.error_report(previous, new).items() if k.startswith("overall/")}}
@@ -96,7 +118,7 @@ def export_via_deltas(ckpt: str | Path, out_dir: str | Path, *, dtype: str | Non
     from fleetrl.checkpoint.delta import export_from_deltas
 
     ckpt = Path(ckpt)
-    meta = json.loads((ckpt / COMPLETE_MARK).read_text())
+    meta = read_meta(ckpt)
     chain = delta_chain(ckpt.parent, meta["step"] + 1)
     if not chain or chain[-1].parent != ckpt:
         raise CheckpointError(f"{ckpt} has no delta.safetensors; train with trainer.delta_checkpoints=exact "
@@ -195,42 +217,3 @@ def _check_distcp_sizes(path: Path) -> str | None:
             if not f.is_file() or f.stat().st_size < end:
                 return f"{role_dir}/{rel} is truncated ({f.stat().st_size if f.is_file() else 0} < {end} bytes)"
     return None
-
-
-def controller_state(trainer: "Trainer") -> dict[str, Any]:
-    return {
-        "step": trainer.step,
-        "weights_version": trainer.weights_version,
-        "sampler": trainer.train_feed.sampler.state_dict(),
-        "kl_ctl": trainer.kl_ctl.state_dict(),
-        "rng": rng_state(),
-    }
-
-
-def load_checkpoint(trainer: "Trainer", path: Path) -> None:
-    from fleetrl.workers.worker import Worker
-
-    state = torch.load(path / "controller.pt", weights_only=False)
-    saved_cfg = (path / "config.yaml").read_text()
-    diff = list(difflib.unified_diff(saved_cfg.splitlines(), dump_yaml(trainer.cfg).splitlines(),
-                                     "checkpoint config", "current config", lineterm="", n=0))
-    if diff:
-        trainer.tracker.event(state["step"], "config_changed_on_resume", diff="\n".join(diff[2:]))
-    for group in trainer.groups.values():
-        group.call_all(Worker.load_state, str(path))
-    trainer.step = state["step"]
-    trainer.weights_version = state["weights_version"]
-    trainer.train_feed.sampler.load_state_dict(state["sampler"])
-    trainer.kl_ctl.load_state_dict(state["kl_ctl"])
-    set_rng_state(state["rng"])
-    trainer.tracker.event(trainer.step, "resumed", path=str(path))
-
-
-def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])

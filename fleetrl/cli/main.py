@@ -8,6 +8,8 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
+from fleetrl.cli.errors import report, user_errors
+
 app = typer.Typer(help="fleetrl: RL post-training of LLMs on Ray (PPO, GRPO and relatives).",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 config_app = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
@@ -15,36 +17,37 @@ app.add_typer(config_app, name="config")
 console = Console()
 
 
-def _fail(e: Exception) -> None:
-    console.print(f"[bold red]error:[/] {e}", soft_wrap=True, highlight=False)
-    raise typer.Exit(2)
-
-
 @app.command()
+@user_errors()
 def train(config: str = typer.Argument(..., help="Run config YAML."),
           overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. actor.optim.lr=1e-6"),
           ) -> None:
     """Train with CONFIG (starts a local Ray cluster when cluster.address is not set)."""
-    from fleetrl.config import ConfigError
+    from fleetrl.cluster.health import is_recoverable
     from fleetrl.trainer.run import train as run_train
+    from fleetrl.trainer.signals import Interrupted
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         run_train(config, list(overrides or []))
-    except (ConfigError, ValueError) as e:
-        _fail(e)
+    except Interrupted as e:  # the run already printed where it stopped and how to continue
+        raise typer.Exit(e.exit_code) from None
+    except Exception as e:
+        if not is_recoverable(e):
+            raise
+        report(e)  # a lost/stalled worker with no restarts left: the message is the diagnosis, not a traceback
+        raise typer.Exit(1) from None
 
 
 @config_app.command("show")
+@user_errors()
 def config_show(config: str = typer.Argument(..., help="Run config YAML."),
                 overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides")) -> None:
     """Print the resolved config and the derived plan (world sizes, per-rank batch sizes, pools)."""
-    from fleetrl.config import ConfigError, derive_plan, dump_yaml, load_config
+    from fleetrl.config import dump_yaml, load_config
+    from fleetrl.trainer.run import plan_for
 
-    try:
-        plan = derive_plan(load_config(config, list(overrides or [])))
-    except (ConfigError, ValueError) as e:
-        _fail(e)
+    plan = plan_for(load_config(config, list(overrides or [])))
     console.rule("config")
     console.print(dump_yaml(plan.config), highlight=False)
     console.rule("plan")
@@ -52,19 +55,17 @@ def config_show(config: str = typer.Argument(..., help="Run config YAML."),
 
 
 @app.command()
+@user_errors(FileNotFoundError)
 def export(checkpoint: str = typer.Argument(..., help="A checkpoint folder (OUT/checkpoints/step_N)."),
            hf: str = typer.Option(..., "--hf", help="Output folder for the Hugging Face model."),
            dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: as trained)."),
            from_deltas: bool = typer.Option(False, "--from-deltas",
                                             help="Rebuild from the base model + every delta.safetensors up to CHECKPOINT.")) -> None:
     """Write a Hugging Face model folder (config, safetensors, tokenizer) from a checkpoint."""
-    from fleetrl.checkpoint.export import CheckpointError, export_hf
+    from fleetrl.checkpoint.export import export_hf
     from fleetrl.checkpoint.manager import export_via_deltas
 
-    try:
-        out = export_via_deltas(checkpoint, hf, dtype=dtype) if from_deltas else export_hf(checkpoint, hf, dtype=dtype)
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
-        _fail(e)
+    out = export_via_deltas(checkpoint, hf, dtype=dtype) if from_deltas else export_hf(checkpoint, hf, dtype=dtype)
     console.print(f"wrote {out}")
 
 

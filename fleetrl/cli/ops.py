@@ -2,41 +2,28 @@
 `serve-reward`. Each command parses its flags and calls the library; `register(app)` adds them to an app."""
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from fleetrl.cli.errors import user_errors
+
 console = Console()
 err_console = Console(stderr=True)
 
-# Errors a user causes and can fix from the message; anything else is a bug and keeps its traceback.
-_USER_ERRORS = (ValueError, RuntimeError, TimeoutError, ConnectionError, FileNotFoundError)
+# Operations fail on the user's machines and networks: these are theirs to fix from the message too.
+_user_errors = user_errors(ValueError, RuntimeError, TimeoutError, ConnectionError, FileNotFoundError)
 
 Address = typer.Option(..., "--address", help="Job API of the head: http://HEAD_IP:8265.")
 TokenFile = typer.Option(None, "--token-file", help="Cluster auth token file (default: RAY_AUTH_TOKEN, "
                                                     "RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token).")
 StateFile = typer.Option(None, "--state-file", help="Where `cluster up` records what it started "
                                                     "(default ~/.fleetrl/cluster-HOSTNAME.json).")
-
-
-def _user_errors(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except typer.Exit:  # click's Exit is a RuntimeError: let it through untouched
-            raise
-        except _USER_ERRORS as e:
-            # Literal text: an error may quote paths or logs with [brackets] that rich would parse as markup.
-            err_console.print(Text.assemble(("error:", "bold red"), f" {e}"), soft_wrap=True, highlight=False)
-            raise typer.Exit(2) from None
-    return wrapper
 
 
 def _token(token_file: Optional[Path]):

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, MutableMapping
 
+from fleetrl.errors import UserError
+
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 MODE_ENV = "RAY_AUTH_MODE"
 
 
-class TokenMissingError(RuntimeError):
+class TokenMissingError(UserError, RuntimeError):
     """Raised when a node that must join a token-protected cluster has no token."""
 
 

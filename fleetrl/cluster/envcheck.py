@@ -11,11 +11,13 @@ import logging
 import os
 from typing import Mapping
 
+from fleetrl.errors import UserError
+
 log = logging.getLogger("fleetrl.cluster")
 _AMD = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
 
-class EnvConflictError(ValueError):
+class EnvConflictError(UserError, ValueError):
     pass
 
 

@@ -11,6 +11,7 @@ import ray
 
 from fleetrl.cluster.group import WorkerLostError
 from fleetrl.cluster.placement import NodeResources, PlacementError, check_feasible, cluster_nodes
+from fleetrl.cluster.watchdog import StallError
 from fleetrl.cluster.weight_sync import WeightSyncError
 from fleetrl.config.plan import Plan, PoolPlan, fallback_plan
 from fleetrl.rewards.remote import RewardServerLostError
@@ -19,7 +20,7 @@ log = logging.getLogger("fleetrl.cluster")
 
 # A reward server that stopped answering is a lost worker too: the restart's start-up health check either
 # finds it back or stops the run with a clear message (RemoteRewardError, not recoverable).
-_RECOVERABLE = (WorkerLostError, WeightSyncError, RewardServerLostError, ray.exceptions.RayActorError,
+_RECOVERABLE = (WorkerLostError, WeightSyncError, StallError, RewardServerLostError, ray.exceptions.RayActorError,
                 ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError)
 
 Decision = Literal["ready", "wait", "short"]

@@ -10,15 +10,20 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
 
 from fleetrl.config.plan import PoolPlan
+from fleetrl.errors import UserError
 
 _EPS = 1e-6
 _IGNORED = ("memory", "object_store_memory")
 
 
-class PlacementError(RuntimeError):
+class PlacementError(UserError, RuntimeError):
     """The plan does not fit the cluster (or did not become ready in time); the message says what to change."""
 
 

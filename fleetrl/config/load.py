@@ -1,6 +1,7 @@
 """YAML + dotted overrides -> a typed, frozen RunConfig. Every error names the key path and the fix."""
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import types
@@ -10,10 +11,12 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from fleetrl.config.frozen import FrozenDict, deep_freeze
 from fleetrl.config.schema import RunConfig
+from fleetrl.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config the user wrote cannot be used; the message says which key and what to change."""
 
 
@@ -60,7 +63,7 @@ def to_dict(cfg: Any) -> Any:
     """A RunConfig (or any part) as plain YAML-safe data."""
     if dataclasses.is_dataclass(cfg):
         return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, dict):
+    if isinstance(cfg, Mapping):
         return {k: to_dict(v) for k, v in cfg.items()}
     if isinstance(cfg, (list, tuple)):
         return [to_dict(v) for v in cfg]
@@ -90,7 +93,9 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
-        return value
+        return deep_freeze(value)
+    if origin is typing.Literal:
+        return _choice(args, value, where)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -103,11 +108,11 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {tp}")
     if dataclasses.is_dataclass(tp):
         return build(tp, value, where)
-    if origin is dict:
+    if origin in (dict, collections.abc.Mapping):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         ktp, vtp = args
-        return {_convert(ktp, k, where): _convert(vtp, v, f"{where}.{k}") for k, v in value.items()}
+        return FrozenDict({_convert(ktp, k, where): _convert(vtp, v, f"{where}.{k}") for k, v in value.items()})
     if origin is tuple:
         if isinstance(value, (str, int, float)):
             value = [value]  # `stop: "\n"` means one stop string
@@ -134,6 +139,20 @@ def _scalar(tp: type, value: Any, where: str) -> Any:
     if isinstance(value, tp):
         return value
     raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _choice(choices: tuple, value: Any, where: str) -> Any:
+    """A `Literal[...]` field: the Literal is the one list of allowed values."""
+    if value in choices:
+        return value
+    guess = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f"; did you mean {guess[0]!r}?" if guess else ""
+    raise ConfigError(f"{where}: unknown value {value!r}{hint} (choose from: {', '.join(map(str, choices))})")
+
+
+def choices_of(cls: type, name: str) -> tuple:
+    """Allowed values of a Literal field (for messages elsewhere that list them)."""
+    return typing.get_args(typing.get_type_hints(cls)[name])
 
 
 def _unknown_key(where: str, key: str, names: list[str]) -> str:

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal, Mapping
 
+from fleetrl.config.frozen import FrozenDict
 from fleetrl.config.load import ConfigError
 from fleetrl.config.schema import PoolConfig, RunConfig
 
 ROLES = ("actor", "rollout", "ref", "critic")
 # Estimators that compare samples of the same prompt need at least two of them.
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
-ENGINES = ("hf", "fast")
+
+
+SeedPurpose = Literal["worker", "engine", "generate", "validate", "sampler"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,54 +27,111 @@ class PoolPlan:
     name: str
     nodes: int
     bundles_per_node: int
-    bundle: dict[str, float]
+    bundle: Mapping[str, float]
     roles: tuple[str, ...]
+    cpu_threads: int
+    """torch intra-op threads of each worker when it runs on CPU: its whole-CPU share of the bundle (Ray sets
+    OMP_NUM_THREADS to the share too; a fractional share gets one thread)."""
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.bundles_per_node
 
+    @property
+    def uses_gpu(self) -> bool:
+        return self.bundle.get("GPU", 0) > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSizes:
+    """What a rollout engine must hold at once on one worker (the fast engine sizes its KV cache by these)."""
+    max_batch: int
+    """Most sequences one generate call of one rollout worker carries (training step or validation)."""
+    max_seq_len: int
+    """data.max_prompt_length + rollout.max_new_tokens."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
+    """Every number the run uses, derived once from the config (and the training set's size in epoch mode)."""
     config: RunConfig
-    pools: dict[str, PoolPlan]
-    roles: dict[str, str]  # active role -> pool name
+    pools: Mapping[str, PoolPlan]
+    roles: Mapping[str, str]
+    """Active role -> pool name."""
+    world: Mapping[str, int]
+    """Active role -> data-parallel size."""
     use_critic: bool
     use_ref: bool
+    rollout_colocated: bool
+    """The rollout shares the actor's pool: the engine reads the actor's parameters in place (no weight bus)."""
     samples_per_step: int
     mini_batch_samples: int
     num_mini_batches: int
-    micro_batch_size: int  # per rank
-    total_steps: int | None
-    recompute_logprobs: bool = True
-    world: dict[str, int] = field(default_factory=dict)  # active role -> data-parallel size
+    micro_batch_size: int
+    """Samples per data-parallel rank per forward/backward."""
+    total_steps: int
+    actor_optimizer_steps: int
+    """Optimiser steps of the whole run (the LR schedule's length): steps after the critic warm-up ×
+    mini-batches × epochs."""
+    critic_optimizer_steps: int
+    recompute_logprobs: bool
+    """False when the update is fully on-policy (1 epoch, 1 mini-batch): the old log-probs are the update's own,
+    detached, and the rollout's stand for them wherever they are needed before the update."""
+    rollout: EngineSizes
+    val_batch_prompts: int
+    """Prompts per validation generate call (at least one per rollout worker)."""
 
     def pool_of(self, role: str) -> PoolPlan:
         return self.pools[self.roles[role]]
 
+    def actor_updates_at(self, step: int) -> bool:
+        """The actor stays frozen for the first critic.warmup_steps steps of a run with a critic."""
+        return not self.use_critic or step >= self.config.critic.warmup_steps
+
+    def seed(self, purpose: SeedPurpose, step: int = 0, rank: int = 0) -> int:
+        """The one place seeds come from, so (seed, step, rank) fixes every random draw of a run and a resumed run
+        draws exactly what a straight one would."""
+        s = self.config.trainer.seed
+        if purpose == "worker":  # python/numpy/torch global generators of a worker
+            return s * 1000 + rank
+        if purpose == "engine":  # a rollout engine's running generator (calls without their own seed)
+            return s + rank
+        if purpose == "generate":  # one training generate call on one rollout worker
+            return (s * 100_003 + step) * 1009 + rank
+        if purpose == "validate":
+            return (s + 7) * 1009 + rank
+        if purpose == "sampler":  # the prompt sampler's shuffle
+            return s
+        raise ValueError(f"unknown seed purpose {purpose!r}")
+
     def summary(self) -> dict:
         return {
             "roles": {r: f"{p} (dp={self.world[r]})" for r, p in self.roles.items()},
-            "pools": {n: {"nodes": p.nodes, "bundles_per_node": p.bundles_per_node, "bundle": p.bundle,
-                          "roles": list(p.roles)} for n, p in self.pools.items()},
+            "pools": {n: {"nodes": p.nodes, "bundles_per_node": p.bundles_per_node, "bundle": dict(p.bundle),
+                          "roles": list(p.roles), "cpu_threads": p.cpu_threads} for n, p in self.pools.items()},
             "samples_per_step": self.samples_per_step,
             "mini_batch_samples": self.mini_batch_samples,
             "num_mini_batches": self.num_mini_batches,
             "micro_batch_size_per_rank": self.micro_batch_size,
             "use_critic": self.use_critic,
             "use_ref": self.use_ref,
+            "rollout_colocated": self.rollout_colocated,
             "recompute_logprobs": self.recompute_logprobs,
             "total_steps": self.total_steps,
+            "actor_optimizer_steps": self.actor_optimizer_steps,
+            "critic_optimizer_steps": self.critic_optimizer_steps,
+            "rollout_engine": {"max_batch": self.rollout.max_batch, "max_seq_len": self.rollout.max_seq_len},
+            "val_batch_prompts": self.val_batch_prompts,
         }
 
 
-def derive_plan(cfg: RunConfig) -> Plan:
+def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
+    """`train_prompts` (the training set's size) is needed only in epoch mode (trainer.total_steps: null)."""
     _check_names(cfg)
     fallback = _fallback_config(cfg)
     if fallback is not None:  # checked now, not at the moment a node is lost
         try:
-            derive_plan(fallback)
+            derive_plan(fallback, train_prompts=train_prompts)
         except ConfigError as e:
             raise ConfigError(f"the fallback placement (cluster.fallback_pools / fallback_roles) is invalid: {e}") from None
     _check_sampling(cfg)
@@ -85,11 +146,38 @@ def derive_plan(cfg: RunConfig) -> Plan:
         raise ConfigError(f"cluster.backend=local holds workers in the driver process, so every pool must have "
                           f"one worker; got world sizes {world}. Use cluster.backend=ray for data parallelism")
     samples, mini, n_mini, micro = _batch_arithmetic(cfg, world)
-    on_policy = n_mini == 1 and cfg.algorithm.ppo_epochs == 1
-    return Plan(config=cfg, pools=pools, roles=roles, use_critic=use_critic, use_ref=use_ref,
-                samples_per_step=samples, mini_batch_samples=mini, num_mini_batches=n_mini,
-                micro_batch_size=micro, total_steps=cfg.trainer.total_steps, world=world,
-                recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy)
+    total = _total_steps(cfg, train_prompts)
+    epochs = cfg.algorithm.ppo_epochs
+    actor_steps = (total - (cfg.critic.warmup_steps if use_critic else 0)) * n_mini * epochs
+    on_policy = n_mini == 1 and epochs == 1
+    val_prompts = max(world["rollout"], cfg.data.prompts_per_step)
+    return Plan(config=cfg, pools=FrozenDict(pools), roles=FrozenDict(roles), world=FrozenDict(world),
+                use_critic=use_critic, use_ref=use_ref, rollout_colocated=roles["rollout"] == roles["actor"],
+                samples_per_step=samples, mini_batch_samples=mini, num_mini_batches=n_mini, micro_batch_size=micro,
+                total_steps=total, actor_optimizer_steps=max(actor_steps, 1),
+                critic_optimizer_steps=total * n_mini * epochs,
+                recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy,
+                rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts), val_batch_prompts=val_prompts)
+
+
+def _total_steps(cfg: RunConfig, train_prompts: int | None) -> int:
+    t = cfg.trainer
+    if t.total_steps is not None:
+        return t.total_steps
+    if train_prompts is None:
+        raise ConfigError("trainer.total_epochs needs the training set's size: derive the plan with "
+                          "train_prompts=... (fleetrl train does), or set trainer.total_steps")
+    per_epoch = train_prompts // cfg.data.prompts_per_step
+    if per_epoch < 1:
+        raise ConfigError(f"the training set has {train_prompts} prompts, fewer than one step's "
+                          f"data.prompts_per_step={cfg.data.prompts_per_step}; lower data.prompts_per_step")
+    return per_epoch * t.total_epochs
+
+
+def _engine_sizes(cfg: RunConfig, world: int, samples: int, val_prompts: int) -> EngineSizes:
+    val_samples = val_prompts * cfg.rollout.val_n
+    per_worker = max(samples // world, -(-val_samples // world))
+    return EngineSizes(max_batch=per_worker, max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
 
 
 def fallback_plan(plan: Plan) -> Plan | None:
@@ -108,6 +196,7 @@ def _fallback_config(cfg: RunConfig) -> RunConfig | None:
 
 
 def _check_names(cfg: RunConfig) -> None:
+    """Registry-backed names (the registry is their one list); Literal choices were checked by the loader."""
     from fleetrl.algo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 
     a = cfg.algorithm
@@ -115,20 +204,16 @@ def _check_names(cfg: RunConfig) -> None:
     _one_of("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES.names())
     _one_of("algorithm.loss_agg", a.loss_agg, AGGREGATIONS.names())
     _one_of("algorithm.kl.estimator", a.kl.estimator, KL_ESTIMATORS.names())
-    _one_of("algorithm.kl.placement", a.kl.placement, ["none", "reward", "loss"])
-    _one_of("algorithm.kl.controller", a.kl.controller, ["fixed", "adaptive"])
-    _one_of("rollout.engine", cfg.rollout.engine, list(ENGINES))
-    _one_of("cluster.backend", cfg.cluster.backend, ["ray", "local"])
-    for role, sub in (("actor", cfg.actor), ("critic", cfg.critic)):
-        _one_of(f"{role}.optim.schedule", sub.optim.schedule, ["constant", "linear", "cosine"])
-        _one_of(f"{role}.sharding", sub.sharding, ["none", "fsdp2"])
-    _one_of("trainer.on_nonfinite", cfg.trainer.on_nonfinite, ["skip", "abort"])
-    _one_of("algorithm.recompute_logprobs", a.recompute_logprobs, ["auto", "always"])
-    _one_of("trainer.delta_checkpoints", cfg.trainer.delta_checkpoints, ["off", "exact", "int8"])
     if a.dual_clip is not None and a.dual_clip <= 1.0:
         raise ConfigError(f"algorithm.dual_clip must be > 1 (Ye et al. 2020 use 3), got {a.dual_clip}")
-    if cfg.trainer.total_steps is None and cfg.trainer.total_epochs is None:
-        raise ConfigError("set trainer.total_steps or trainer.total_epochs")
+    t = cfg.trainer
+    if (t.total_steps is None) == (t.total_epochs is None):
+        raise ConfigError("set exactly one of trainer.total_steps and trainer.total_epochs "
+                          f"(got total_steps={t.total_steps}, total_epochs={t.total_epochs}); "
+                          "total_steps: null selects epoch mode")
+    for key, value in (("trainer.total_steps", t.total_steps), ("trainer.total_epochs", t.total_epochs)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
 
 
 def _check_sampling(cfg: RunConfig) -> None:
@@ -169,7 +254,8 @@ def _pool_plan(name: str, pc: PoolConfig, roles: tuple[str, ...]) -> PoolPlan:
     if pc.gpus_per_worker:
         bundle["GPU"] = pc.gpus_per_worker
     bundle.update(pc.resources)
-    return PoolPlan(name=name, nodes=pc.nodes, bundles_per_node=pc.workers_per_node, bundle=bundle, roles=roles)
+    return PoolPlan(name=name, nodes=pc.nodes, bundles_per_node=pc.workers_per_node, bundle=FrozenDict(bundle),
+                    roles=roles, cpu_threads=max(1, int(pc.cpus_per_worker)))
 
 
 def _batch_arithmetic(cfg: RunConfig, world: dict[str, int]) -> tuple[int, int, int, int]:

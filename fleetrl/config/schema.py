@@ -8,7 +8,9 @@ counts SAMPLES per data-parallel rank per forward/backward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Mapping
+
+from fleetrl.config.frozen import FrozenDict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,8 +19,8 @@ class ModelConfig:
     """HF folder, hub id, `tiny:` (random tiny model for tests) or `gguf:FILE.gguf`."""
     tokenizer: str | None = None
     """Defaults to `path`."""
-    dtype: str = "float32"
-    """float32 | bfloat16 | float16: parameter dtype of the trained model."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the trained model."""
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
 
@@ -29,7 +31,7 @@ class DataConfig:
     """A path (parquet/jsonl), `synthetic:NAME?k=v`, or a mixture `{task: path}`."""
     val: Any = None
     """Same forms as `train`; None = no validation."""
-    weights: dict[str, float] | None = None
+    weights: Mapping[str, float] | None = None
     """Mixture sampling weights by task (default: proportional to size)."""
     input_key: str = "prompt"
     label_key: str | None = None
@@ -45,8 +47,8 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    engine: str = "hf"
-    """Rollout engine name: hf | fast."""
+    engine: Literal["hf", "fast"] = "hf"
+    """Rollout engine: `hf` (transformers generate, the reference) or `fast` (engines/fast)."""
     n: int = 8
     """Samples per prompt (group size for GRPO-family estimators)."""
     temperature: float = 1.0
@@ -63,22 +65,61 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class KLConfig:
-    placement: str = "none"
-    """none | reward (per-token penalty in the reward) | loss (a KL term in the actor loss)."""
+    placement: Literal["none", "reward", "loss"] = "none"
+    """reward: a per-token penalty in the reward; loss: a KL term in the actor loss."""
     estimator: str = "k3"
-    """k1 | k2 | k3."""
+    """A name in algo.KL_ESTIMATORS."""
     coef: float = 0.001
-    controller: str = "fixed"
-    """fixed | adaptive (Ziegler et al. 2019)."""
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    """adaptive: Ziegler et al. 2019."""
     target: float = 0.1
     horizon: int = 10000
 
 
 @dataclass(frozen=True, kw_only=True)
+class RolloutCorrectionConfig:
+    """Importance weights pi_old / pi_rollout for the rollout-trainer log-prob mismatch (`algo/correction.py`)."""
+
+    mode: str = "none"
+    """none | tis (truncate at cap; Yao et al. 2025) | mis (zero weights above cap) | icepop (zero outside
+    [low, high]). `none` still reports the ratio statistics."""
+    level: str = "token"
+    """token | sequence (the product of a sequence's token ratios, acting on the whole sequence)."""
+    cap: float = 2.0
+    """Upper bound for tis / mis."""
+    low: float = 0.5
+    """icepop: lower edge of the kept band."""
+    high: float = 5.0
+    """icepop: upper edge of the kept band."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlongConfig:
+    """DAPO's overlong handling (`algo/dapo.py`)."""
+
+    buffer: int = 0
+    """Tokens before rollout.max_new_tokens over which a penalty ramps linearly from 0 to -factor; 0 = off."""
+    factor: float = 1.0
+    mask_truncated: bool = False
+    """Leave responses cut off at max_new_tokens out of the loss (DAPO overlong filtering)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts to refill."""
+
+    enabled: bool = False
+    max_rounds: int = 3
+    """Generation rounds per step at most (the first included); a batch still short after them trains on
+    what it has, and the shortfall is reported."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     advantage: str = "grpo"
-    """gae | grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline."""
+    """A name in algo.ADVANTAGES (gae uses a critic)."""
     policy_loss: str = "ppo"
+    """A name in algo.POLICY_LOSSES."""
     norm_adv_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
@@ -90,21 +131,25 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
+    """A name in algo.AGGREGATIONS."""
     ppo_epochs: int = 1
     mini_batch_prompts: int | None = None
     """Prompts per optimiser step; None = all prompts of the step (one update per epoch)."""
     micro_batch_size: int = 8
     """Samples per data-parallel rank per forward/backward."""
-    recompute_logprobs: str = "auto"
-    """auto | always. Fully on-policy updates (1 epoch, 1 mini-batch) need no separate old-logprob pass: the
+    recompute_logprobs: Literal["auto", "always"] = "auto"
+    """Fully on-policy updates (1 epoch, 1 mini-batch) need no separate old-logprob pass: the
     importance ratio is exactly 1, so `auto` uses the update's own detached log-probs as the old ones."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     lr: float = 1e-6
-    schedule: str = "constant"
-    """constant | linear | cosine (decay to min_lr_ratio*lr after warm-up)."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay to min_lr_ratio*lr after warm-up, over the run's optimiser steps (Plan.optimizer_steps)."""
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
@@ -116,7 +161,7 @@ class OptimConfig:
 @dataclass(frozen=True, kw_only=True)
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    sharding: str = "none"
+    sharding: Literal["none", "fsdp2"] = "none"
     """none (each data-parallel rank holds the full model; gradients all-reduced) | fsdp2 (GPU: parameters,
     gradients and optimiser state sharded with FSDP2; a colocated rollout unshards once per generate)."""
     logprob_chunk: int | None = None
@@ -130,23 +175,23 @@ class ActorConfig:
 @dataclass(frozen=True, kw_only=True)
 class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    sharding: str = "none"
-    """none | fsdp2, as for the actor."""
+    sharding: Literal["none", "fsdp2"] = "none"
+    """As for the actor."""
     warmup_steps: int = 0
     """RL steps during which only the critic is updated (actor frozen)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class RewardsConfig:
-    sources: dict[str, str] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=FrozenDict)
     """data_source -> scorer (builtin name or path/to/file.py:fn)."""
     default: str | None = None
     """Scorer for data sources not listed (None = unknown data_source is an error before training)."""
     timeout_s: float = 10.0
     default_score: float = 0.0
     num_workers: int = 4
-    isolation: str = "auto"
-    """auto | thread | process. A timed-out process is terminated; a timed-out thread cannot be and keeps running.
+    isolation: Literal["auto", "thread", "process"] = "auto"
+    """A timed-out process is terminated; a timed-out thread cannot be and keeps running in the background.
     auto: threads until the first timeout, then processes."""
     remote_urls: tuple[str, ...] = ()
     """Remote reward servers (`fleetrl serve-reward`); when set they score every sample."""
@@ -183,8 +228,8 @@ class TrainerConfig:
     """Checkpoints kept (older ones deleted), 0 = keep all."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0 = off)."""
-    delta_checkpoints: str = "off"
-    """off | exact | int8: also store the actor's change from the base model (changed tensors only) as
+    delta_checkpoints: Literal["off", "exact", "int8"] = "off"
+    """Also store the actor's change from the base model (changed tensors only) as
     step_N/delta.safetensors; `fleetrl export --from-deltas` rebuilds full weights from base + deltas."""
     export_every: int = 0
     """Write a Hugging Face model folder every N steps under OUT/hf/step_N (0 = off)."""
@@ -194,8 +239,11 @@ class TrainerConfig:
     """Automatic recoveries from a lost worker/node before the run gives up."""
     restart_wait_s: float = 120.0
     """How long a recovery waits for the cluster to have room for the plan again."""
-    on_nonfinite: str = "skip"
-    """skip | abort: what a NaN/inf loss or gradient does to the update."""
+    checkpoint_on_signal: Literal["sigterm", "always", "never"] = "sigterm"
+    """Save a checkpoint when a stop signal arrives (after the current step): on SIGTERM only (what SLURM and
+    Kubernetes send before preemption), on SIGINT too, or never."""
+    on_nonfinite: Literal["skip", "abort"] = "skip"
+    """What a NaN/inf loss or gradient does to the update."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,7 +263,7 @@ class PoolConfig:
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 0.25
     """Fractional on purpose: a bundle that asks for a whole CPU per worker is a classic cause of hangs."""
-    resources: dict[str, float] = field(default_factory=dict)
+    resources: Mapping[str, float] = field(default_factory=FrozenDict)
     """Extra custom resources per bundle, e.g. {"node_a": 0.01} to pin a pool to a node."""
 
 
@@ -223,23 +271,33 @@ class PoolConfig:
 class ClusterConfig:
     address: str | None = None
     """None = start a local Ray; `auto` or HOST:PORT joins a running cluster."""
-    backend: str = "ray"
-    """ray | local (workers in the driver process, for debugging; world size 1 per pool)."""
+    backend: Literal["ray", "local"] = "ray"
+    """local: workers in the driver process, for debugging; world size 1 per pool)."""
     num_cpus: int | None = None
     """CPUs of the local Ray started when address is None (default: the machine's)."""
-    pools: dict[str, PoolConfig] = field(default_factory=lambda: {"main": PoolConfig()})
-    roles: dict[str, str] = field(default_factory=lambda: {"actor": "main", "rollout": "main",
-                                                           "ref": "main", "critic": "main"})
+    pools: Mapping[str, PoolConfig] = field(default_factory=lambda: FrozenDict({"main": PoolConfig()}))
+    roles: Mapping[str, str] = field(default_factory=lambda: FrozenDict(
+        {"actor": "main", "rollout": "main", "ref": "main", "critic": "main"}))
     """Role -> pool. Roles in the same pool share one Ray actor per bundle."""
-    fallback_pools: dict[str, PoolConfig] | None = None
+    fallback_pools: Mapping[str, PoolConfig] | None = None
     """Placement to switch to when, after a lost node, the cluster cannot hold `pools` again within
     trainer.restart_wait_s (e.g. every role on the surviving node). None = keep waiting/fail."""
-    fallback_roles: dict[str, str] | None = None
+    fallback_roles: Mapping[str, str] | None = None
     """Role -> pool of the fallback placement (default: `roles`)."""
     placement_timeout_s: float = 60.0
     init_timeout_s: float = 120.0
-    env: dict[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=FrozenDict)
     """Environment for every worker (through Ray's runtime env)."""
+    call_timeout_s: float | Literal["auto"] = "auto"
+    """Deadline of a worker call. auto: first_call_timeout_s for the first call of each verb, then
+    max(300 s, 5 × the slowest of its last 10 calls); a number fixes it for every verb."""
+    first_call_timeout_s: float = 1800.0
+    """auto deadline of the first call of a verb (model load, compile, CUDA-graph capture happen there)."""
+    call_timeouts: Mapping[str, float] = field(default_factory=FrozenDict)
+    """Per-verb deadlines, e.g. {generate: 900, update_actor: 1200}."""
+    stall_s: float = 120.0
+    """A worker call whose progress (decode steps, micro-batches, weight buckets) has not moved, or whose worker
+    does not answer at all, for this long is a stall: stacks are dumped and the run recovers (docs/hangs.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,10 @@
 """DataError: a problem in a user's data file or data config, reported so the user can fix it."""
 from __future__ import annotations
 
+from fleetrl.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A data file or data setting is wrong; the message names the file, row and field and says how to fix it."""
 
 

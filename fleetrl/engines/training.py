@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fleetrl import heartbeat
 from fleetrl.config.schema import OptimConfig
 
 
@@ -82,6 +83,7 @@ class TrainingEngine:
         totals: dict[str, float] = {}
         scale = self.dist.world_size if self.sharded else 1.0
         for mb in micro_batches:
+            heartbeat.beat()
             loss, metrics = loss_fn(mb)
             (loss * scale).backward()
             for k, v in metrics.items():

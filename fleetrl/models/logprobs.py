@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fleetrl.algo.losses import entropy_from_logits
+
 # Config attributes that transform logits after the LM head; the chunked path applies the head itself and
 # would silently skip them.
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -88,8 +90,7 @@ def _chunk_stats(
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
         return logp, torch.zeros_like(logp)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    return logp, entropy_from_logits(logits)  # the one (tested) entropy function, also used by the losses
 
 
 def _full_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -110,7 +111,9 @@ def _response_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
         if getattr(getattr(model, "config", None), name, None) not in (None, 1.0):
             raise ValueError(f"sequence_logprobs(chunk_size=...) applies the LM head itself and cannot reproduce "
                              f"this model's `{name}`; use chunk_size=None for {type(model).__name__}")
-    from fleetrl.models.value_head import backbone_of  # local import: value_head imports this module
+    from fleetrl.models.value_head import (
+        backbone_of,  # local import: value_head imports this module
+    )
 
     out = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False)

@@ -1,8 +1,10 @@
 """Reward error types: a configuration problem the user can fix, and a scorer that stopped working mid-run."""
 from __future__ import annotations
 
+from fleetrl.errors import UserError
 
-class RewardError(ValueError):
+
+class RewardError(UserError, ValueError):
     """A reward setting is wrong; the message says what was found, what was expected and what to change."""
 
 

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import requests
 
+from fleetrl.errors import UserError
 from fleetrl.rewards.failures import RewardResult, check_failure_rate
 
 HEALTH_MISSES = 2  # /health probes in a row without an answer that end a /score attempt early
@@ -29,7 +30,7 @@ START_HINT = ("start one with `FLEETRL_REWARD_TOKEN=SECRET fleetrl serve-reward 
               "--port 8000` and list it in rewards.remote_urls (with rewards.remote_token = SECRET)")
 
 
-class RemoteRewardError(RuntimeError):
+class RemoteRewardError(UserError, RuntimeError):
     """The reward servers could not score a batch, or are not reachable; the message says which and why."""
 
 

@@ -168,7 +168,7 @@ class RewardRunner:
                              f"{len(ground_truths)}, data_sources {len(data_sources)}, extra_infos {len(extra_infos)})")
         specs = [self.router.spec_for(ds) for ds in data_sources]
         tasks = [(s, r, g, e or {}) for s, r, g, e in zip(specs, responses, ground_truths, extra_infos)]
-        result = self._collect(self._run(tasks), specs, data_sources)
+        result = self._collect(self._run(tasks, _interleaved([repr(g) for g in ground_truths])), specs, data_sources)
         check_failure_rate(result, self.max_failure_rate, f"per-sample limit rewards.timeout_s={self.timeout_s:g}")
         return result
 
@@ -182,10 +182,11 @@ class RewardRunner:
         self.close()
 
     # ------------------------------------------------------------------------------------- dispatching
-    def _run(self, tasks: list[tuple]) -> list[tuple[str, Any]]:
-        """("ok", value) | ("error", message) | ("timeout", None) | ("skipped" | "abandoned", why) per task."""
+    def _run(self, tasks: list[tuple], order: list[int]) -> list[tuple[str, Any]]:
+        """("ok", value) | ("error", message) | ("timeout", None) | ("skipped" | "abandoned", why) per task;
+        tasks are dispatched in `order`."""
         outcomes: list[tuple[str, Any]] = [("error", "not run")] * len(tasks)
-        todo = deque(range(len(tasks)))
+        todo = deque(order)
         busy: dict[Connection, tuple[_Worker, int, float]] = {}
         tally = Tally([t[0] for t in tasks], self.max_failure_rate)
         while todo or busy:
@@ -329,6 +330,19 @@ class RewardRunner:
             self._logged.add(spec)
             logger.warning("%s; later failures of this scorer are counted in the reward metrics, not logged",
                            message)
+
+
+def _interleaved(keys: list[str]) -> list[int]:
+    """Sample indices reordered so that consecutive calls have different ground truths where the batch allows:
+    [a, a, a, b, b, c] -> [a, b, c, a, b, a] (indices 0, 3, 5, 1, 4, 2). The n samples of one prompt then do not
+    take every worker at once, so a scorer that hangs on one prompt's answer neither blocks the other prompts
+    nor strings HUNG_AFTER timeouts together and gets mistaken for a scorer that hangs on everything."""
+    seen: dict[str, int] = {}
+    rank = []
+    for key in keys:
+        rank.append(seen.get(key, 0))
+        seen[key] = rank[-1] + 1
+    return sorted(range(len(keys)), key=lambda i: (rank[i], i))
 
 
 def _close_all(workers: list[_Worker]) -> None:

@@ -5,6 +5,7 @@ from typing import Any
 
 import fleetrl.data.tasks  # noqa: F401  (registers the built-in synthetic tasks)
 from fleetrl.batch import Batch
+from fleetrl.config.plan import Plan
 from fleetrl.config.schema import RunConfig
 from fleetrl.data.mixture import MixtureDataset, load_dataset
 from fleetrl.models.hf import load_tokenizer
@@ -21,18 +22,17 @@ class PromptFeed:
         self.sampler = self.dataset.make_sampler(seed=seed, shuffle=shuffle)
 
     @classmethod
-    def for_train(cls, cfg: RunConfig, tokenizer: Any = None) -> "PromptFeed":
-        tok = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.path,
-                                          trust_remote_code=cfg.model.trust_remote_code)
-        return cls(cfg, cfg.data.train, tok, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+    def for_train(cls, plan: Plan, tokenizer: Any = None) -> PromptFeed:
+        cfg = plan.config
+        return cls(cfg, cfg.data.train, tokenizer or _tokenizer(cfg), seed=plan.seed("sampler"),
+                   shuffle=cfg.data.shuffle)
 
     @classmethod
-    def for_val(cls, cfg: RunConfig, tokenizer: Any = None) -> "PromptFeed | None":
+    def for_val(cls, plan: Plan, tokenizer: Any = None) -> PromptFeed | None:
+        cfg = plan.config
         if cfg.data.val is None:
             return None
-        tok = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.path,
-                                          trust_remote_code=cfg.model.trust_remote_code)
-        return cls(cfg, cfg.data.val, tok, seed=cfg.trainer.seed, shuffle=False)
+        return cls(cfg, cfg.data.val, tokenizer or _tokenizer(cfg), seed=plan.seed("sampler"), shuffle=False)
 
     @property
     def pad_id(self) -> int:
@@ -55,3 +55,12 @@ class PromptFeed:
 
     def data_sources(self) -> set[str]:
         return set(self.dataset.data_sources)
+
+
+def _tokenizer(cfg: RunConfig) -> Any:
+    return load_tokenizer(cfg.model.tokenizer or cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def count_train_prompts(cfg: RunConfig) -> int:
+    """The training set's size (the Plan needs it in epoch mode); the prompts are read as training reads them."""
+    return len(PromptFeed(cfg, cfg.data.train, _tokenizer(cfg), seed=0, shuffle=False).dataset)

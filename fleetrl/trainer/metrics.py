@@ -4,25 +4,14 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+
 from fleetrl.algo import masked_mean
 from fleetrl.batch import Batch
 
-# Identical on every rank (computed after the gradient all-reduce): take rank 0's value, never sum.
-_SAME_ON_ALL_RANKS = ("grad_norm", "lr", "skipped_updates")
 
-
-def rank_reduce(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Worker metrics are shares of a global mean (see workers/actor.py), so ranks add up."""
-    out: dict[str, float] = {}
-    for key in per_rank[0]:
-        if key.endswith(_SAME_ON_ALL_RANKS):
-            out[key] = per_rank[0][key]
-        else:
-            out[key] = float(sum(m[key] for m in per_rank))
-    return out
-
-
-def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float) -> dict[str, float]:
+def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, recomputed: bool) -> dict[str, float]:
+    """`recomputed`: the old-logprob pass ran (Plan.recompute_logprobs), so entropy and the rollout/trainer gap are
+    measured here; otherwise the on-policy update reported them under the same names."""
     m: dict[str, float] = {}
     scores = batch["scores"].numpy()
     m["train/reward_mean"] = float(scores.mean())
@@ -37,7 +26,7 @@ def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float) -> d
     m["train/response_clip_ratio"] = float(np.mean([f == "length" for f in batch["finish_reason"]]))
     m["train/prompt_length_mean"] = float(batch["prompt_mask"].sum(-1).float().mean())
     fmask = mask.float()
-    if "old_logprobs" in batch:  # else the actor update reported both (train/actor/entropy, ...diff_mean)
+    if recomputed:
         m["train/entropy"] = float(masked_mean(batch["entropy"], fmask))
         diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * fmask
         m["train/rollout_logprob_diff_mean"] = float(diff.sum() / fmask.sum().clamp(min=1))

@@ -5,9 +5,12 @@ import logging
 import time
 from pathlib import Path
 
+from rich.text import Text
+
 from fleetrl.config import Plan, derive_plan, dump_yaml, load_config, to_dict
 from fleetrl.config.schema import RunConfig
 from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.signals import Interrupted, StopSignal
 
 log = logging.getLogger("fleetrl")
 
@@ -19,8 +22,15 @@ def output_dir(cfg: RunConfig) -> Path:
 
 
 def train(config_path: str | None, overrides: list[str]) -> dict[str, float]:
-    plan = derive_plan(load_config(config_path, overrides))
-    return run_plan(plan)
+    return run_plan(plan_for(load_config(config_path, overrides)))
+
+
+def plan_for(cfg: RunConfig) -> Plan:
+    """The Plan of `cfg`; in epoch mode (trainer.total_steps: null) the training set is read to size the run."""
+    from fleetrl.trainer.feed import count_train_prompts
+
+    prompts = count_train_prompts(cfg) if cfg.trainer.total_steps is None else None
+    return derive_plan(cfg, train_prompts=prompts)
 
 
 def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
@@ -35,9 +45,14 @@ def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
     tracker.console.print(f"[bold]fleetrl[/] run directory: {out}")
     started = ensure_ray(cfg.cluster)
     try:
-        last = Supervisor(plan, tracker, out).run()
+        with StopSignal() as stop:
+            last = Supervisor(plan, tracker, out, stop=stop).run()
         _summary(tracker, out)
         return last
+    except Interrupted as e:
+        tracker.console.print(Text(f"{e}; continue with: fleetrl train <config> ... trainer.output_dir={out} "
+                                   f"trainer.resume=auto"))
+        raise
     finally:
         tracker.close()
         if started:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 from fleetrl.cluster.health import is_recoverable, wait_for_capacity
 from fleetrl.cluster.placement import PlacementError
+from fleetrl.cluster.watchdog import StallError
 from fleetrl.config.plan import Plan, fallback_plan
 from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.signals import StopSignal
 from fleetrl.trainer.trainer import Trainer
 
 log = logging.getLogger("fleetrl.trainer")
@@ -18,14 +20,15 @@ log = logging.getLogger("fleetrl.trainer")
 class Supervisor:
     """Owns the current Plan: it is replaced by the fallback plan when the original cannot be placed again."""
 
-    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path) -> None:
+    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, stop: StopSignal | None = None) -> None:
         self.plan, self.tracker, self.out_dir = plan, tracker, out_dir
+        self.stop = stop
         self.restarts = 0
 
     def run(self) -> dict[str, float]:
         resume = self.plan.config.trainer.resume
         while True:
-            trainer = Trainer(self.plan, self.tracker, self.out_dir, resume=resume)
+            trainer = Trainer(self.plan, self.tracker, self.out_dir, resume=resume, stop=self.stop)
             try:
                 return trainer.fit()
             except Exception as e:  # noqa: BLE001 — classified just below; anything else re-raises
@@ -35,6 +38,8 @@ class Supervisor:
                 if not retryable or self.restarts >= self.plan.config.trainer.max_restarts:
                     raise
                 self.restarts += 1
+                if isinstance(e, StallError):
+                    self.tracker.event(trainer.step, "stall", error=str(e)[:2000])
                 self.tracker.event(trainer.step, "restart", attempt=self.restarts, error=f"{type(e).__name__}: {e}"[:500])
                 log.warning("recovering from %s (restart %d/%d)", type(e).__name__, self.restarts,
                             self.plan.config.trainer.max_restarts)

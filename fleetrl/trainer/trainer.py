@@ -1,7 +1,8 @@
 """The controller: one RL step as named phases, and `fit()`, the loop that calls them.
 
 PPO and the GRPO family differ only by registry entries (advantage estimator; whether a critic and a
-reference exist, decided once in the Plan), never by a branch of this file.
+reference exist, decided once in the Plan), never by a branch of this file. What crosses to a worker is a
+typed message (workers/messages.py) built from Plan numbers.
 """
 from __future__ import annotations
 
@@ -9,49 +10,73 @@ import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from fleetrl.algo import ADVANTAGES, AdvantageInputs, apply_kl_penalty, kl_estimate, make_kl_controller, masked_mean
+from fleetrl.algo import (
+    ADVANTAGES,
+    AdvantageInputs,
+    apply_kl_penalty,
+    kl_estimate,
+    make_kl_controller,
+    masked_mean,
+)
 from fleetrl.batch import Batch
-from fleetrl.cluster.group import WorkerGroup, order_for_dp
+from fleetrl.cluster.group import WorkerGroup
 from fleetrl.config.plan import Plan
-from fleetrl.trainer.feed import PromptFeed
-from fleetrl.trainer.metrics import rank_reduce, rollout_metrics
-from fleetrl.trainer.rewards import RewardScorer
-from fleetrl.trainer.validate import validate
 from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.feed import PromptFeed
+from fleetrl.trainer.metrics import rollout_metrics
+from fleetrl.trainer.progress import Progress, RNGState
+from fleetrl.trainer.rewards import RewardScorer
+from fleetrl.trainer.signals import Interrupted, StopSignal
+from fleetrl.trainer.validate import validate
+from fleetrl.workers.layout import arrange_update
+from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
 from fleetrl.workers.worker import Worker
 
 log = logging.getLogger("fleetrl.trainer")
+SEQ_KEYS = ("prompts", "prompt_mask", "responses", "response_mask")
 
 
 class Trainer:
-    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, resume: str | None = None) -> None:
+    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, resume: str | None = None,
+                 stop: StopSignal | None = None) -> None:
+        self.stop = stop or StopSignal()
         self.plan, self.cfg, self.tracker, self.out_dir = plan, plan.config, tracker, out_dir
         self.resume = resume or self.cfg.trainer.resume
-        self.train_feed = PromptFeed.for_train(self.cfg)
-        self.val_feed = PromptFeed.for_val(self.cfg, self.train_feed.tokenizer)
+        self.train_feed = PromptFeed.for_train(plan)
+        self.val_feed = PromptFeed.for_val(plan, self.train_feed.tokenizer)
         self.scorer = RewardScorer(self.cfg, self.train_feed.tokenizer)
         self.scorer.check_sources(self.train_feed.data_sources() | (self.val_feed.data_sources() if self.val_feed else set()))
         kl = self.cfg.algorithm.kl
         self.kl_ctl = make_kl_controller(kl.controller, kl.coef, kl.target, kl.horizon)
-        self.step = 0
-        self.weights_version = 0
+        self.progress = Progress()
         self.groups: dict[str, WorkerGroup] = {}
         self.timings: dict[str, float] = {}
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    def state(self) -> dict:
+        """What the controller checkpoints (each part saves itself: state_dict / load_state_dict)."""
+        return {"progress": self.progress, "sampler": self.train_feed.sampler, "kl_ctl": self.kl_ctl,
+                "rng": RNGState()}
 
     # ------------------------------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         self.build_groups()
         self.maybe_resume()
-        total = self.total_steps()
+        total = self.plan.total_steps
         last: dict[str, float] = {}
         if self.val_feed and self.cfg.trainer.val_before_train and self.step == 0:
             self.tracker.log(self.step, self.validate())
         self.tracker.start_progress(total, self.step)
         while self.step < total:
+            for g in self.groups.values():
+                g.step = self.step + 1  # stall reports name the step being made
             self.timings = {}
             self._ray_overhead()  # drop what validation/resume accumulated: only this step's calls count
             t0 = time.perf_counter()
@@ -63,8 +88,8 @@ class Trainer:
             metrics = self.update(batch)
             self.check_finite(metrics)
             self.sync()
-            self.step += 1
-            metrics.update(rollout_metrics(batch, self.timings, time.perf_counter() - t0))
+            self.progress.step += 1
+            metrics.update(rollout_metrics(batch, self.timings, time.perf_counter() - t0, self.plan.recompute_logprobs))
             metrics["train/kl_coef"] = self.kl_ctl.coef
             metrics["train/time/worker_call_overhead"] = self._ray_overhead()
             self.checkpoint()
@@ -73,6 +98,8 @@ class Trainer:
                 metrics.update(self.validate())
             self.tracker.log(self.step, metrics)
             last = metrics
+            if self.stop.requested:
+                self.stop_now()
         self.tracker.finish()
         return last
 
@@ -82,9 +109,9 @@ class Trainer:
         with self._timed("generate"):
             batch = prompts.repeat_interleave(n)
             batch.tensors["group"] = torch.arange(len(prompts)).repeat_interleave(n)
-            request = batch.pick("prompts", "prompt_mask")
-            request.meta.update(seed=self.cfg.trainer.seed * 100_003 + self.step, min_weights_version=self.weights_version)
-            out = self.group("rollout").call_split(Worker.generate, request)
+            req = GenerateRequest(purpose="generate", step=self.step, temperature=self.cfg.rollout.temperature,
+                                  min_weights_version=self.progress.weights_version)
+            out = self.group("rollout").call_split(Worker.generate, batch.pick("prompts", "prompt_mask"), req)
             return batch.update(out)
 
     def score(self, batch: Batch) -> Batch:
@@ -96,7 +123,7 @@ class Trainer:
 
     def logprobs(self, batch: Batch) -> Batch:
         with self._timed("logprobs"):
-            seq = batch.pick("prompts", "prompt_mask", "responses", "response_mask")
+            seq = batch.pick(*SEQ_KEYS)
             if self.plan.recompute_logprobs:
                 batch = batch.update(self.group("actor").call_split(Worker.compute_logprobs, seq))
             if self.plan.use_ref:
@@ -107,8 +134,7 @@ class Trainer:
         if not self.plan.use_critic:
             return batch
         with self._timed("values"):
-            seq = batch.pick("prompts", "prompt_mask", "responses", "response_mask")
-            return batch.update(self.group("critic").call_split(Worker.compute_values, seq))
+            return batch.update(self.group("critic").call_split(Worker.compute_values, batch.pick(*SEQ_KEYS)))
 
     def advantages(self, batch: Batch) -> Batch:
         algo = self.cfg.algorithm
@@ -116,7 +142,7 @@ class Trainer:
         token_rewards = None
         if self.plan.use_ref:
             # Without a recompute pass the rollout's own log-probs stand for the policy's (same weights).
-            logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
+            logp = batch["old_logprobs"] if self.plan.recompute_logprobs else batch["rollout_logprobs"]
             kl_bt = kl_estimate(logp, batch["ref_logprobs"], algo.kl.estimator) * mask
             seq_kl = float(masked_mean(kl_bt, mask))
             batch.meta["kl"] = seq_kl
@@ -132,59 +158,51 @@ class Trainer:
 
     def update(self, batch: Batch) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        keys = ["prompts", "prompt_mask", "responses", "response_mask", "advantages",
-                "old_logprobs" if self.plan.recompute_logprobs else "rollout_logprobs"]
-        if self.cfg.algorithm.kl.placement == "loss":
-            keys.append("ref_logprobs")
         if self.plan.use_critic:
             with self._timed("update_critic"):
-                metrics.update(self._update_role("critic", batch.pick("prompts", "prompt_mask", "responses",
-                                                                      "response_mask", "values", "returns"),
-                                                 Worker.update_critic))
-        if self.step >= self.cfg.critic.warmup_steps or not self.plan.use_critic:
+                critic_batch = batch.pick(*SEQ_KEYS, "values", "returns")
+                metrics.update(self._update_role("critic", critic_batch, Worker.update_critic))
+        if self.plan.actor_updates_at(self.step):
+            keys = [*SEQ_KEYS, "advantages", "rollout_logprobs"]
+            keys += ["old_logprobs"] if self.plan.recompute_logprobs else []
+            keys += ["ref_logprobs"] if self.cfg.algorithm.kl.placement == "loss" else []
             with self._timed("update_actor"):
                 metrics.update(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
-        out = {f"train/{k}": v for k, v in metrics.items()}
-        for key in ("entropy", "rollout_logprob_diff_mean"):  # reported by an on-policy update
-            if f"train/actor/{key}" in out:
-                out[f"train/{key}"] = out.pop(f"train/actor/{key}")
-        return out
+        return {f"train/{k}": v for k, v in metrics.items()}
 
-    def _update_role(self, role: str, batch: Batch, method) -> dict[str, float]:
-        plan = self.plan
-        mask = batch["response_mask"]
-        size = len(batch) // plan.num_mini_batches
-        batch.meta.update(
-            mini_num_tokens=[float(mask[i * size:(i + 1) * size].sum()) for i in range(plan.num_mini_batches)],
-            mini_num_seqs=[float(size)] * plan.num_mini_batches, norm_len=float(self.cfg.rollout.max_new_tokens),
-            kl_coef=self.kl_ctl.coef)
-        parts, _ = order_for_dp(batch, plan.num_mini_batches, plan.world[role])
-        return rank_reduce(self.group(role).call_parts(method, parts))
+    def _update_role(self, role: str, batch: Batch, method: Callable) -> dict[str, float]:
+        parts, minis = arrange_update(batch, self.plan.num_mini_batches, self.plan.world[role],
+                                      norm_len=float(self.cfg.rollout.max_new_tokens))
+        spec = UpdateSpec(minis=minis, kl_coef=self.kl_ctl.coef,
+                          old_logprobs="recomputed" if self.plan.recompute_logprobs else "current")
+        return UpdateMetrics.reduce(self.group(role).call_parts(method, parts, spec))
 
     def sync(self) -> None:
         """Publishes the new actor weights to the rollout engines (in place when colocated)."""
         with self._timed("sync"):
-            self.weights_version += 1
+            self.progress.weights_version += 1
             self._publish_weights()
 
     def _publish_weights(self) -> None:
         """Colocated: the engine already reads the actor's parameters, only the version moves. Separate pool:
         a bucketed broadcast that carries the version."""
-        if self.plan.roles["rollout"] == self.plan.roles["actor"]:
-            self.group("rollout").call_all(Worker.mark_weights_version, self.weights_version)
+        version = self.progress.weights_version
+        if self.plan.rollout_colocated:
+            self.group("rollout").call_all(Worker.mark_weights_version, version)
         else:
             from fleetrl.cluster.weight_sync import broadcast_weights
 
-            broadcast_weights(self.group("actor"), self.group("rollout"), self.weights_version,
-                              self.cfg.cluster.init_timeout_s)
+            broadcast_weights(self.group("actor"), self.group("rollout"), version, self.cfg.cluster.init_timeout_s)
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, force: bool = False) -> None:
         t = self.cfg.trainer
-        if t.save_every and self.step % t.save_every == 0:
+        if force or (t.save_every and self.step % t.save_every == 0):
             with self._timed("checkpoint"):
                 from fleetrl.checkpoint.manager import save_checkpoint
 
-                path = save_checkpoint(self)
+                actor = self.group("actor") if t.delta_checkpoints != "off" else None
+                path = save_checkpoint(self.out_dir, self.step, groups=list(self.groups.values()),
+                                       state=self.state(), config=self.cfg, actor=actor)
                 if t.export_every and self.step % t.export_every == 0:
                     from fleetrl.checkpoint.export import export_hf
 
@@ -196,8 +214,25 @@ class Trainer:
         path = find_resume(self.out_dir, self.resume)
         if path is None:
             return
-        load_checkpoint(self, path)
+        diff = load_checkpoint(path, groups=list(self.groups.values()), state=self.state(), config=self.cfg)
+        if diff:
+            self.tracker.event(self.step, "config_changed_on_resume", diff=diff)
+        self.tracker.event(self.step, "resumed", path=str(path))
         self._publish_weights()  # the rollout engines must hold the resumed weights and version
+
+    def stop_now(self) -> None:
+        """After a stop signal: checkpoint this step (unless it just was, or checkpoint_on_signal says not to)."""
+        import signal
+
+        from fleetrl.checkpoint.manager import checkpoint_root, find_resume
+
+        policy = self.cfg.trainer.checkpoint_on_signal
+        wanted = policy == "always" or (policy == "sigterm" and self.stop.signum == signal.SIGTERM)
+        if wanted and not (checkpoint_root(self.out_dir) / f"step_{self.step}").is_dir():
+            self.checkpoint(force=True)
+        latest = find_resume(self.out_dir, "auto")
+        self.tracker.event(self.step, "stopped", signal=int(self.stop.signum))
+        raise Interrupted(self.step, int(self.stop.signum), int(latest.name[5:]) if latest else None)
 
     def check_finite(self, metrics: dict[str, float]) -> None:
         """A NaN/inf loss or gradient skips that optimiser step (the engine did) and is logged as an event."""
@@ -211,7 +246,8 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         with self._timed("validate"):
-            return validate(self)
+            return validate(self.group("rollout"), self.val_feed, self.scorer, self.plan,
+                            self.progress.weights_version)
 
     # --------------------------------------------------------------------------------------- helpers
     def build_groups(self) -> None:
@@ -219,19 +255,13 @@ class Trainer:
             return
         from fleetrl.cluster.build import build_groups
 
-        self.groups = build_groups(self.plan)
+        self.groups = build_groups(self.plan, self.out_dir)
 
     def _ray_overhead(self) -> float:
         return sum(g.take_overhead() for g in self.groups.values())
 
     def group(self, role: str) -> WorkerGroup:
         return self.groups[self.plan.roles[role]]
-
-    def total_steps(self) -> int:
-        if self.plan.total_steps:
-            return self.plan.total_steps
-        per_epoch = max(1, self.train_feed.num_prompts() // self.cfg.data.prompts_per_step)
-        return per_epoch * int(self.cfg.trainer.total_epochs)
 
     def shutdown(self) -> None:
         for g in self.groups.values():

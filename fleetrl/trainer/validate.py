@@ -2,33 +2,33 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fleetrl.batch import Batch
+from fleetrl.cluster.group import WorkerGroup
+from fleetrl.config.plan import Plan
+from fleetrl.trainer.feed import PromptFeed
 from fleetrl.trainer.metrics import pass_at_k
+from fleetrl.trainer.rewards import RewardScorer
+from fleetrl.workers.messages import GenerateRequest
 from fleetrl.workers.worker import Worker
 
-if TYPE_CHECKING:
-    from fleetrl.trainer.trainer import Trainer
 
-
-def validate(trainer: "Trainer") -> dict[str, float]:
-    cfg = trainer.cfg
+def validate(rollout: WorkerGroup, feed: PromptFeed, scorer: RewardScorer, plan: Plan,
+             weights_version: int) -> dict[str, float]:
+    cfg = plan.config
     k = cfg.rollout.val_n
-    world = trainer.plan.world["rollout"]
+    req = GenerateRequest(purpose="validate", step=0, temperature=cfg.rollout.val_temperature,
+                          min_weights_version=weights_version)
     scores_by_source: dict[str, list[list[float]]] = defaultdict(list)
-    size = max(world, cfg.data.prompts_per_step)
-    for prompts in trainer.val_feed.all_batches(size, cfg.data.val_max_prompts):
+    for prompts in feed.all_batches(plan.val_batch_prompts, cfg.data.val_max_prompts):
         batch = prompts.repeat_interleave(k)
-        request = _pad_to_multiple(batch.pick("prompts", "prompt_mask"), world)
-        request.meta.update(temperature=cfg.rollout.val_temperature, seed=cfg.trainer.seed + 7,
-                            min_weights_version=trainer.weights_version)
-        out = trainer.group("rollout").call_split(Worker.generate, request).select(range(len(batch)))
+        request = _pad_to_multiple(batch.pick("prompts", "prompt_mask"), rollout.world_size)
+        out = rollout.call_split(Worker.generate, request, req).select(range(len(batch)))
         batch = batch.update(out)
-        scores, _ = trainer.scorer.score(batch)
-        per_prompt = scores.view(-1, k).tolist()
-        for ds, row in zip(prompts["data_source"], per_prompt):
+        scores, _ = scorer.score(batch)
+        for ds, row in zip(prompts["data_source"], scores.view(-1, k).tolist()):
             scores_by_source[str(ds)].append(row)
     metrics: dict[str, float] = {}
     all_rows = [row for rows in scores_by_source.values() for row in rows]
@@ -40,7 +40,7 @@ def validate(trainer: "Trainer") -> dict[str, float]:
     return metrics
 
 
-def _pad_to_multiple(batch, world: int):
+def _pad_to_multiple(batch: Batch, world: int) -> Batch:
     """Repeats the last sample so the batch splits evenly over rollout workers (extra outputs are dropped)."""
     extra = (-len(batch)) % world
     if not extra:

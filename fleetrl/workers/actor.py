@@ -5,12 +5,16 @@ import math
 
 import torch
 
+from fleetrl import heartbeat
 from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
 from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.layout import micro_batches, pad_response
+from fleetrl.workers.messages import MiniBatchCounts, UpdateMetrics, UpdateSpec
+from fleetrl.workers.update import run_update
 
 
 def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.nn.Module:
@@ -29,45 +33,15 @@ def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.n
     return model
 
 
-def micro_batches(batch: Batch, size: int) -> list[Batch]:
-    """Consecutive micro-batches, each with the padding columns that ALL its rows share removed (prompt columns
-    on the left, response columns on the right): a batch padded to its longest sample wastes compute on every
-    shorter micro-batch otherwise. Outputs per response token are padded back with `pad_response`."""
-    n = len(batch)
-    return [trim_padding(batch.select(range(i, min(i + size, n)))) for i in range(0, n, size)]
-
-
-def trim_padding(mb: Batch) -> Batch:
-    if "prompt_mask" not in mb or "response_mask" not in mb:
-        return mb
-    p_cols = mb["prompt_mask"].any(0).nonzero()
-    r_cols = mb["response_mask"].any(0).nonzero()
-    p0 = int(p_cols[0]) if len(p_cols) else mb["prompt_mask"].shape[1] - 1
-    r1 = int(r_cols[-1]) + 1 if len(r_cols) else 1
-    full_r = mb["response_mask"].shape[1]
-    tensors = {}
-    for k, v in mb.tensors.items():
-        if k in ("prompts", "prompt_mask"):
-            tensors[k] = v[:, p0:]
-        elif v.dim() >= 2 and v.shape[1] == full_r:
-            tensors[k] = v[:, :r1]
-        else:
-            tensors[k] = v
-    return Batch(tensors, dict(mb.fields), {**mb.meta, "full_response_len": full_r})
-
-
-def pad_response(x_BR: torch.Tensor, full_r: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x_BR, (0, full_r - x_BR.shape[1]))
-
-
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temperature: float,
-                     chunk: int | None, entropy: bool) -> Batch:
-    """Log-probs (and entropy) of the response tokens under `model`, micro-batch by micro-batch."""
+                     chunk: int | None, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) [B, R] of the response tokens under `model`, micro-batch by micro-batch."""
     model.eval()
     device = next(model.parameters()).device
     logps, ents = [], []
     for mb in micro_batches(batch, micro):
+        heartbeat.beat()
         mb = mb.to(device)
         lp, ent = sequence_logprobs(model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
                                     temperature=temperature, return_entropy=entropy, chunk_size=chunk)
@@ -75,10 +49,7 @@ def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temper
         logps.append(pad_response(lp.float().cpu(), full_r))
         if entropy:
             ents.append(pad_response(ent.float().cpu(), full_r))
-    out = {"logprobs": torch.cat(logps)}
-    if entropy:
-        out["entropy"] = torch.cat(ents)
-    return Batch(out)
+    return torch.cat(logps), (torch.cat(ents) if entropy else None)
 
 
 def gen_temperature(ctx: WorkerContext) -> float:
@@ -88,41 +59,12 @@ def gen_temperature(ctx: WorkerContext) -> float:
     return t if t > 0 else 1.0
 
 
-def optimizer_steps(ctx: WorkerContext) -> int | None:
-    """Optimiser steps of the whole run (for the LR schedule): steps × mini-batches × epochs."""
-    plan = ctx.plan
-    return plan.total_steps * plan.num_mini_batches * ctx.cfg.algorithm.ppo_epochs if plan.total_steps else None
-
-
-def run_update(engine: TrainingEngine, batch: Batch, ctx: WorkerContext, loss_fn, prefix: str) -> dict[str, float]:
-    """PPO-style epochs × mini-batches of optimiser steps over this rank's batch.
-
-    `batch` is this rank's share of every mini-batch in mini-batch order (the controller arranged it), with the
-    GLOBAL token/sequence counts of each mini-batch in meta, so losses are normalised as for the full batch.
-    Returns metrics averaged over optimiser steps, plus the count of skipped (non-finite) updates.
-    """
-    plan, epochs = ctx.plan, ctx.cfg.algorithm.ppo_epochs
-    minis = batch.chunk(plan.num_mini_batches)
-    sums: dict[str, float] = {}
-    for _ in range(epochs):
-        for m, mini in enumerate(minis):
-            counts = {"num_tokens": batch.meta["mini_num_tokens"][m], "num_seqs": batch.meta["mini_num_seqs"][m],
-                      "norm_len": batch.meta["norm_len"]}
-            metrics = engine.step(iter(micro_batches(mini, plan.micro_batch_size)), lambda mb: loss_fn(mb, counts))
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-    steps = plan.num_mini_batches * epochs
-    out = {f"{prefix}/{k}": v / steps for k, v in sums.items() if k != "skipped"}
-    out[f"{prefix}/skipped_updates"] = sums.get("skipped", 0.0)
-    return out
-
-
 class ActorComponent:
     def __init__(self, ctx: WorkerContext, model: torch.nn.Module, dist_info: DistInfo) -> None:
         self.ctx = ctx
         self.model = model
         self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info,
-                                     total_optimizer_steps=optimizer_steps(ctx), device=ctx.device(),
+                                     total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),
                                      sharded=ctx.cfg.actor.sharding == "fsdp2")
 
     @property
@@ -132,25 +74,25 @@ class ActorComponent:
         return None if self.engine.sharded else self.ctx.cfg.actor.logprob_chunk
 
     def compute_logprobs(self, batch: Batch) -> Batch:
-        out = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
-                               temperature=gen_temperature(self.ctx), chunk=self.chunk,
-                               entropy=True)
-        return Batch({"old_logprobs": out["logprobs"], "entropy": out["entropy"]})
+        logp, ent = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
+                                     temperature=gen_temperature(self.ctx), chunk=self.chunk, entropy=True)
+        return Batch({"old_logprobs": logp, "entropy": ent})
 
-    def update(self, batch: Batch) -> dict[str, float]:
-        return run_update(self.engine, batch, self.ctx, self._loss, "actor")
+    def update(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
+        return run_update(self.engine, batch, spec, epochs=self.ctx.cfg.algorithm.ppo_epochs,
+                          micro_batch_size=self.ctx.plan.micro_batch_size,
+                          loss_fn=lambda mb, counts: self._loss(mb, counts, spec), prefix="actor")
 
-    def _loss(self, mb: Batch, counts: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        cfg = self.ctx.cfg
-        algo = cfg.algorithm
+    def _loss(self, mb: Batch, counts: MiniBatchCounts, spec: UpdateSpec) -> tuple[torch.Tensor, dict[str, float]]:
+        algo = self.ctx.cfg.algorithm
         mb = mb.to(self.ctx.device())
-        on_policy = "old_logprobs" not in mb
+        on_policy = spec.old_logprobs == "current"
         need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here
         logp, ent = sequence_logprobs(self.model, mb["prompts"], mb["prompt_mask"], mb["responses"],
                                       mb["response_mask"], temperature=gen_temperature(self.ctx),
                                       return_entropy=need_entropy, chunk_size=self.chunk)
         mask = mb["response_mask"].float()
-        agg = dict(agg=algo.loss_agg, **counts)
+        agg = dict(agg=algo.loss_agg, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, norm_len=counts.norm_len)
         # On-policy (no recompute pass): old = this forward's own detached log-probs, so the ratio is exactly 1
         # and the gradient is the policy gradient.
         old = logp.detach().float() if on_policy else mb["old_logprobs"]
@@ -159,29 +101,33 @@ class ActorComponent:
             clip_high=algo.clip_high, dual_clip=algo.dual_clip, **agg)
         # Metrics are returned as shares of the global mean: the micro-batch's token fraction weights them,
         # so summing over micro-batches and ranks gives the mini-batch mean.
-        share = float(mask.sum()) / max(float(counts["num_tokens"]), 1.0)
-        metrics = {"pg_loss": float(loss.detach())}
-        metrics.update({k: float(v) * share for k, v in m.items()})
-        if on_policy:
-            with torch.no_grad():
-                tokens = mask.sum().clamp(min=1)
-                metrics["entropy"] = float((ent.float() * mask).sum() / tokens) * share
-                diff = (logp.float() - mb["rollout_logprobs"]).abs() * mask
-                metrics["rollout_logprob_diff_mean"] = float(diff.sum() / tokens) * share
+        share = float(mask.sum()) / max(counts.num_tokens, 1.0)
+        metrics = {"actor/pg_loss": float(loss.detach())}
+        metrics.update({f"actor/{k}": float(v) * share for k, v in m.items()})
+        if on_policy:  # the recompute pass did not run, so its per-token metrics are measured here
+            metrics.update(_rollout_agreement(logp, ent, mb["rollout_logprobs"], mask, share))
         if algo.kl.placement == "loss":
             kl, _ = kl_loss(logp.float(), mb["ref_logprobs"], mask, kind=algo.kl.estimator, **agg)
-            loss = loss + mb.meta["kl_coef"] * kl
-            metrics["kl_loss"] = float(kl.detach())
+            loss = loss + spec.kl_coef * kl
+            metrics["actor/kl_loss"] = float(kl.detach())
         if algo.entropy_coef > 0:
             ent_term = entropy_loss(ent.float(), mask, **agg)
             loss = loss - algo.entropy_coef * ent_term
-            metrics["entropy_bonus"] = float(ent_term.detach())
+            metrics["actor/entropy_bonus"] = float(ent_term.detach())
         if not math.isfinite(float(loss.detach())):
-            metrics["nonfinite_loss"] = 1.0
+            metrics["actor/nonfinite_loss"] = 1.0
         return loss, metrics
 
-    def state_for_sync(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+@torch.no_grad()
+def _rollout_agreement(logp_BT: torch.Tensor, ent_BT: torch.Tensor, rollout_logp_BT: torch.Tensor,
+                       mask_BT: torch.Tensor, share: float) -> dict[str, float]:
+    """Entropy and |trainer − rollout| log-prob gap, as shares of the mini-batch mean (named as the controller
+    names them when the recompute pass measures them instead)."""
+    tokens = mask_BT.sum().clamp(min=1)
+    diff = (logp_BT.float() - rollout_logp_BT).abs() * mask_BT
+    return {"entropy": float((ent_BT.float() * mask_BT).sum() / tokens) * share,
+            "rollout_logprob_diff_mean": float(diff.sum() / tokens) * share}
 
 
 class RefComponent:
@@ -194,7 +140,7 @@ class RefComponent:
             p.requires_grad_(False)
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
-        out = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
-                               temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
-                               entropy=False)
-        return Batch({"ref_logprobs": out["logprobs"]})
+        logp, _ = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
+                                   temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
+                                   entropy=False)
+        return Batch({"ref_logprobs": logp})

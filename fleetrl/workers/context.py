@@ -1,7 +1,6 @@
 """What a worker knows about itself: the run, its rank in its pool, the roles it hosts, its device."""
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 
@@ -23,21 +22,25 @@ class WorkerContext:
     def cfg(self):
         return self.plan.config
 
+    @property
+    def pool_plan(self):
+        return self.plan.pools[self.pool]
+
     def device(self) -> torch.device:
         # Ray sets CUDA_VISIBLE_DEVICES per actor, so the worker's GPU is always index 0 of what it sees.
-        if self.plan.pools[self.pool].bundle.get("GPU", 0) > 0 and torch.cuda.is_available():
+        if self.pool_plan.uses_gpu and torch.cuda.is_available():
             return torch.device("cuda", 0)
         return torch.device("cpu")
 
     def seed_everything(self) -> None:
-        seed = self.cfg.trainer.seed * 1000 + self.rank
+        seed = self.plan.seed("worker", rank=self.rank)
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
-        # CPU runs: one intra-op thread per worker keeps several workers on a 2-core machine from thrashing
-        # and makes reductions independent of how many cores a worker happens to get.
         if self.device().type == "cpu":
-            torch.set_num_threads(int(os.environ.get("FLEETRL_CPU_THREADS", "1")))
+            # The worker's whole-CPU share (Plan), not torch's default of every core: several workers on one
+            # machine must not thrash, and a worker given 2 CPUs must use both.
+            torch.set_num_threads(self.pool_plan.cpu_threads)
 
 
 def dtype_of(name: str) -> torch.dtype:

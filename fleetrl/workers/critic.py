@@ -8,8 +8,11 @@ from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models.logprobs import build_inputs
 from fleetrl.models.value_head import build_critic
-from fleetrl.workers.actor import load_policy_model, micro_batches, optimizer_steps, pad_response, run_update
+from fleetrl.workers.actor import load_policy_model
 from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.layout import micro_batches, pad_response
+from fleetrl.workers.messages import MiniBatchCounts, UpdateMetrics, UpdateSpec
+from fleetrl.workers.update import run_update
 
 
 def response_values(critic: torch.nn.Module, mb: Batch) -> torch.Tensor:
@@ -25,7 +28,7 @@ class CriticComponent:
         self.ctx = ctx
         self.model = build_critic(load_policy_model(ctx)).to(ctx.device())
         self.engine = TrainingEngine(self.model, ctx.cfg.critic.optim, dist_info=dist_info,
-                                     total_optimizer_steps=optimizer_steps(ctx), device=ctx.device(),
+                                     total_optimizer_steps=ctx.plan.critic_optimizer_steps, device=ctx.device(),
                                      sharded=ctx.cfg.critic.sharding == "fsdp2")
 
     @torch.no_grad()
@@ -36,15 +39,17 @@ class CriticComponent:
                for mb in micro_batches(batch, self.ctx.plan.micro_batch_size)]
         return Batch({"values": torch.cat(out)})
 
-    def update(self, batch: Batch) -> dict[str, float]:
-        return run_update(self.engine, batch, self.ctx, self._loss, "critic")
+    def update(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
+        return run_update(self.engine, batch, spec, epochs=self.ctx.cfg.algorithm.ppo_epochs,
+                          micro_batch_size=self.ctx.plan.micro_batch_size, loss_fn=self._loss, prefix="critic")
 
-    def _loss(self, mb: Batch, counts: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, mb: Batch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, float]]:
         mb = mb.to(self.ctx.device())
         mask = mb["response_mask"].float()
         values = response_values(self.model, mb)
         # Value loss always averages over tokens: the policy's loss_agg choice is about the policy gradient.
         loss, m = value_loss(values, mb["values"], mb["returns"], mask, clip=self.ctx.cfg.algorithm.value_clip,
-                             agg="token-mean", **counts)
-        share = float(mask.sum()) / max(float(counts["num_tokens"]), 1.0)
-        return loss, {"vf_loss": float(loss.detach()), **{k: float(v) * share for k, v in m.items()}}
+                             agg="token-mean", num_tokens=counts.num_tokens, num_seqs=counts.num_seqs,
+                             norm_len=counts.norm_len)
+        share = float(mask.sum()) / max(counts.num_tokens, 1.0)
+        return loss, {"critic/vf_loss": float(loss.detach()), **{f"critic/{k}": float(v) * share for k, v in m.items()}}

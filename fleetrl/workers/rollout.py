@@ -10,6 +10,7 @@ from fleetrl.batch import Batch
 from fleetrl.engines.protocol import RolloutEngine, SamplingParams
 from fleetrl.models.hf import load_tokenizer
 from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.messages import GenerateRequest
 
 
 @contextmanager
@@ -30,14 +31,17 @@ def unsharded(model: torch.nn.Module) -> Iterator[None]:
             m.set_reshard_after_forward(True)
 
 
-def make_engine(name: str, model: torch.nn.Module, tokenizer, device: torch.device, seed: int) -> RolloutEngine:
-    if name == "fast":
+def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer) -> RolloutEngine:
+    seed = ctx.plan.seed("engine", rank=ctx.rank)
+    if ctx.cfg.rollout.engine == "fast":
         from fleetrl.engines.fast import FastRolloutEngine
 
-        return FastRolloutEngine(model, tokenizer, device=device, seed=seed)
+        sizes = ctx.plan.rollout
+        return FastRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed, max_batch=sizes.max_batch,
+                                 max_seq_len=sizes.max_seq_len)
     from fleetrl.engines.hf import HFRolloutEngine
 
-    return HFRolloutEngine(model, tokenizer, device=device, seed=seed)
+    return HFRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed)
 
 
 class RolloutComponent:
@@ -46,23 +50,20 @@ class RolloutComponent:
         m = ctx.cfg.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
         self.model = model
-        self.engine = make_engine(ctx.cfg.rollout.engine, model, self.tokenizer, ctx.device(),
-                                  ctx.cfg.trainer.seed + ctx.rank)
+        self.engine = make_engine(ctx, model, self.tokenizer)
 
     def engine_model(self) -> torch.nn.Module:
         return self.model
 
-    def generate(self, batch: Batch) -> Batch:
-        """batch: prompts/prompt_mask (already repeated n times) + meta: temperature, seed, max_new_tokens."""
-        r = self.ctx.cfg.rollout
-        meta = batch.meta
-        if "min_weights_version" in meta and self.engine.weights_version < meta["min_weights_version"]:
+    def generate(self, batch: Batch, req: GenerateRequest) -> Batch:
+        """batch: prompts/prompt_mask, already repeated n times."""
+        if self.engine.weights_version < req.min_weights_version:
             raise RuntimeError(f"rollout worker {self.ctx.rank} holds weights version {self.engine.weights_version} "
-                               f"but the step needs {meta['min_weights_version']}: weight sync did not arrive")
-        params = SamplingParams(
-            max_new_tokens=r.max_new_tokens, temperature=meta.get("temperature", r.temperature),
-            top_p=meta.get("top_p", r.top_p), top_k=meta.get("top_k", r.top_k), stop_token_ids=r.stop_token_ids,
-            stop_strings=r.stop, seed=None if meta.get("seed") is None else meta["seed"] * 1009 + self.ctx.rank)
+                               f"but the step needs {req.min_weights_version}: weight sync did not arrive")
+        r = self.ctx.cfg.rollout
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=req.temperature, top_p=r.top_p,
+                                top_k=r.top_k, stop_token_ids=r.stop_token_ids, stop_strings=r.stop,
+                                seed=self.ctx.plan.seed(req.purpose, req.step, self.ctx.rank))
         with unsharded(self.model):
             out = self.engine.generate(batch["prompts"], batch["prompt_mask"], params)
         return Batch({"responses": out.responses.cpu(), "response_mask": out.response_mask.long().cpu(),

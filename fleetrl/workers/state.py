@@ -31,10 +31,7 @@ def load_trainable(path: Path, engine: TrainingEngine) -> None:
 
 
 def save_extras(path: Path, engines: dict[str, TrainingEngine]) -> None:
-    torch.save({"schedulers": {r: e.scheduler.state_dict() for r, e in engines.items()},
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}, path)
+    torch.save({"schedulers": {r: e.scheduler.state_dict() for r, e in engines.items()}, "rng": rng_state()}, path)
 
 
 def load_extras(path: Path, engines: dict[str, TrainingEngine]) -> None:
@@ -45,9 +42,18 @@ def load_extras(path: Path, engines: dict[str, TrainingEngine]) -> None:
     for role, engine in engines.items():
         if role in state["schedulers"]:
             engine.scheduler.load_state_dict(state["schedulers"][role])
-    rng = state["rng"]
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    set_rng_state(state["rng"])
+
+
+def rng_state() -> dict:
+    """Every generator of this process: python, numpy, torch (and CUDA when present). The one RNG capture."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

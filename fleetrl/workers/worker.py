@@ -9,15 +9,17 @@ from __future__ import annotations
 import os
 import socket
 import time
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from fleetrl import heartbeat
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo
 from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
 
 
 class Worker:
@@ -30,9 +32,14 @@ class Worker:
     def timed(self, method: str, *args):
         """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
         compute from transport overhead."""
+        heartbeat.maybe_freeze(method)
         t0 = time.perf_counter()
         out = getattr(self, method)(*args)
         return out, time.perf_counter() - t0
+
+    def progress(self) -> int:
+        """The process's heartbeat count, read by the watchdog through the actor's free concurrency slot."""
+        return heartbeat.count()
 
     # ------------------------------------------------------------------ setup
     def node_info(self) -> dict:
@@ -57,7 +64,11 @@ class Worker:
 
     def build(self) -> None:
         """Loads models for every hosted role (after init_dist, so sharding can use the group)."""
-        from fleetrl.workers.actor import ActorComponent, RefComponent, load_policy_model
+        from fleetrl.workers.actor import (
+            ActorComponent,
+            RefComponent,
+            load_policy_model,
+        )
 
         ctx = self.ctx
         ctx.seed_everything()
@@ -80,12 +91,12 @@ class Worker:
             self.critic = CriticComponent(ctx, info)
 
     # ------------------------------------------------------------------ verbs
-    def generate(self, batch: Batch) -> Batch:
+    def generate(self, batch: Batch, req: GenerateRequest) -> Batch:
         offload = self.actor is not None and self.ctx.cfg.actor.offload_optimizer
         if offload:
             self.actor.engine.offload_optimizer()
         try:
-            return self._need("rollout").generate(batch)
+            return self._need("rollout").generate(batch, req)
         finally:
             if offload:
                 self.actor.engine.onload_optimizer()
@@ -99,17 +110,11 @@ class Worker:
     def compute_values(self, batch: Batch) -> Batch:
         return self._need("critic").compute_values(batch)
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        return self._need("actor").update(batch)
+    def update_actor(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
+        return self._need("actor").update(batch, spec)
 
-    def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self._need("critic").update(batch)
-
-    def actor_weights(self) -> dict[str, torch.Tensor]:
-        return self._need("actor").state_for_sync()
-
-    def load_rollout_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self._need("rollout").load_weights(state, version)
+    def update_critic(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
+        return self._need("critic").update(batch, spec)
 
     def mark_weights_version(self, version: int) -> None:
         """Colocated rollout: the engine already reads the actor's parameters; only the version moves."""
@@ -132,6 +137,7 @@ class Worker:
     def bus_receive(self, bucket_bytes: int, version: int) -> int:
         from fleetrl.workers.weight_bus import full_state, receive
 
+        heartbeat.maybe_freeze("bus_receive")
         rollout = self._need("rollout")
         received = receive(self.bus, full_state(rollout.engine_model()), bucket_bytes)
         rollout.load_weights(received, version)

@@ -40,3 +40,12 @@ def test_export_round_trip(tmp_path):
 def test_export_missing_checkpoint_is_clear(tmp_path):
     r = _export(str(tmp_path / "nope"), "--hf", str(tmp_path / "o"))
     assert r.returncode == 2 and "meta.json" in (r.stdout + r.stderr)
+
+
+def test_export_from_deltas_without_deltas_is_one_line(tmp_path):
+    args = [a for a in ARGS if not a.startswith("trainer.delta_checkpoints")] + ["trainer.total_steps=2"]
+    train_run("examples/quickstart.yaml", tmp_path / "run", *args)
+    r = _export(str(tmp_path / "run" / "checkpoints" / "step_2"), "--hf", str(tmp_path / "o"), "--from-deltas")
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "has no delta.safetensors" in lines[0], lines

@@ -22,7 +22,7 @@ def _node(name: str, total: float, free: float | None = None) -> NodeResources:
 
 
 # One worker of 1 CPU on each of 2 nodes.
-POOL = PoolPlan(name="main", nodes=2, bundles_per_node=1, bundle={"CPU": 1.0}, roles=("actor",))
+POOL = PoolPlan(name="main", nodes=2, bundles_per_node=1, bundle={"CPU": 1.0}, roles=("actor",), cpu_threads=1)
 
 
 def test_reward_server_loss_restarts_but_a_broken_scorer_does_not():

@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fleetrl.config import derive_plan, load_config
-from fleetrl.trainer.run import run_plan
+from fleetrl.config import load_config
+from fleetrl.trainer.run import plan_for, run_plan
 
 
 def train_run(config: str | None, out: Path, *overrides: str) -> list[dict]:
-    plan = derive_plan(load_config(config, [*overrides, "tracking.progress=false", "tracking.console=false",
+    plan = plan_for(load_config(config, [*overrides, "tracking.progress=false", "tracking.console=false",
                                             f"trainer.output_dir={out}"]))
     run_plan(plan, out)
     return read_metrics(out)

@@ -8,6 +8,7 @@ import pytest
 
 from fleetrl.rewards import RewardError, RewardRouter, RewardRunner
 from fleetrl.rewards.errors import ScorerFailureError
+from fleetrl.rewards.runner import _interleaved
 
 SCORERS_FILE = """
 import os
@@ -38,6 +39,11 @@ def flaky(response, ground_truth, extra_info):
         raise ValueError("cannot score x")
     return 1.0
 
+def hangs_on_three(response, ground_truth, extra_info):
+    if ground_truth == "3":
+        time.sleep(30)
+    return 1.0
+
 def forever(response, ground_truth, extra_info):
     time.sleep(3600)
 """
@@ -47,7 +53,7 @@ def forever(response, ground_truth, extra_info):
 def router(tmp_path):
     path = tmp_path / "scorers.py"
     path.write_text(SCORERS_FILE)
-    names = ["ok", "boom", "sleepy", "bad_return", "with_metrics", "die", "flaky", "forever"]
+    names = ["ok", "boom", "sleepy", "bad_return", "with_metrics", "die", "flaky", "hangs_on_three", "forever"]
     return RewardRouter({name: f"{path}:{name}" for name in names})
 
 
@@ -155,3 +161,20 @@ def test_a_scorer_that_hangs_only_on_some_inputs_is_not_declared_hung(router):
         result = score(runner, ["sleepy"] * 4, ["hang", "hang", "hang", "fast"])
         assert (result.num_timeouts, result.num_skipped) == (3, 1)
         assert "timed out on 3 calls in a row" in result.errors[3]
+
+
+def test_interleaved_order_spreads_each_prompts_samples():
+    # keys a a a b b c -> occurrence ranks 0 1 2 0 1 0 -> sorted by (rank, index): 0 3 5 1 4 2
+    assert _interleaved(["a", "a", "a", "b", "b", "c"]) == [0, 3, 5, 1, 4, 2]
+
+
+def test_one_prompt_that_hangs_does_not_mark_the_scorer_hung(router):
+    # GRPO batches hold each prompt's n samples together: here 8 samples of ground truth "3" (the scorer hangs on
+    # them) then 8 of other prompts. Interleaved order: 0, 8..15, 1..7, so the first round holds one "3" sample and
+    # the other prompts all score. Only then do the "3" samples fill the workers, string 3 timeouts together and
+    # get the rest of theirs skipped: every one of the 8 fails either way, and no other prompt's sample does.
+    truths = ["3"] * 8 + ["1", "2", "4", "5", "6", "7", "8", "9"]
+    with RewardRunner(router, timeout_s=0.5, num_workers=4, isolation="process") as runner:
+        result = runner.score(["x"] * 16, truths, ["hangs_on_three"] * 16, [{}] * 16)
+    assert result.scores == [0.0] * 8 + [1.0] * 8
+    assert result.num_timeouts + result.num_skipped == 8 and result.num_timeouts >= 3

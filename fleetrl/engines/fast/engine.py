@@ -18,7 +18,13 @@ from typing import Literal, Mapping
 
 import torch
 
-from fleetrl.engines.fast.arch import DecoderSpec, model_weights, read_spec, weight_fingerprint
+from fleetrl import heartbeat
+from fleetrl.engines.fast.arch import (
+    DecoderSpec,
+    model_weights,
+    read_spec,
+    weight_fingerprint,
+)
 from fleetrl.engines.fast.forward import DecoderForward
 from fleetrl.engines.fast.graphs import DecodeGraphs, batch_buckets, bucket_for
 from fleetrl.engines.fast.postprocess import assemble_output
@@ -165,6 +171,7 @@ class FastRolloutEngine:
         counts = [0] * len(rows)
         buf.done.fill_(True)
         while pending or running:
+            heartbeat.beat()
             if pending and free:
                 admit = [(heapq.heappop(free), pending.popleft()) for _ in range(min(len(free), len(pending)))]
                 self._prefill(buf, rows, admit, max_new, key)

@@ -1,0 +1,32 @@
+"""The controller's own checkpointed state, as `Stateful` objects the checkpoint manager saves and loads without
+knowing the trainer (state_dict / load_state_dict, like torchtitan's components)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fleetrl.workers.state import rng_state, set_rng_state
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    """RL steps finished."""
+    weights_version: int = 0
+    """Version of the actor weights the rollout engines must hold (bumped by every sync)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "weights_version": self.weights_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.weights_version = int(state["step"]), int(state["weights_version"])
+
+
+class RNGState:
+    """The driver process's python/numpy/torch generators."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_rng_state(state)
