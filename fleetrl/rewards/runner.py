@@ -183,7 +183,7 @@ class RewardRunner:
 
     # ------------------------------------------------------------------------------------- dispatching
     def _run(self, tasks: list[tuple], order: list[int]) -> list[tuple[str, Any]]:
-        """("ok", value) | ("error", message) | ("timeout", None) | ("skipped" | "abandoned", why) per task;
+        """("ok", value) | ("error", message) | ("timeout", on_thread) | ("skipped" | "abandoned", why) per task;
         tasks are dispatched in `order`."""
         outcomes: list[tuple[str, Any]] = [("error", "not run")] * len(tasks)
         todo = deque(order)
@@ -253,7 +253,7 @@ class RewardRunner:
         for conn, (worker, i, start) in list(busy.items()):
             if now - start >= self.timeout_s:
                 del busy[conn]
-                outcomes[i] = ("timeout", None)
+                outcomes[i] = ("timeout", worker.is_thread)  # which kind decides what became of the call
                 expired.append(i)
                 worker.kill()
                 self.num_abandoned_threads += worker.is_thread
@@ -308,7 +308,7 @@ class RewardRunner:
             result.failed_by_scorer[specs[i]] = result.failed_by_scorer.get(specs[i], 0) + 1
             if kind == "timeout":
                 result.num_timeouts += 1
-                value = f"no result within {self.timeout_s}s" + self._abandon_note()
+                value = f"no result within {self.timeout_s}s" + self._abandon_note(on_thread=bool(value))
             elif kind == "skipped":
                 result.num_skipped += 1
             else:
@@ -319,8 +319,8 @@ class RewardRunner:
             self._log_once(specs[i], message)
         return result
 
-    def _abandon_note(self) -> str:
-        if self._ctx is not None:
+    def _abandon_note(self, on_thread: bool) -> str:
+        if not on_thread:
             return " (its worker process was terminated)"
         return (f" (a thread cannot be killed: the call keeps running in the background, "
                 f"{self.num_abandoned_threads} abandoned so far; rewards.isolation=process terminates it)")

@@ -105,13 +105,13 @@ def test_unknown_source_and_bad_settings(router):
     assert score(runner, [], []).scores == []
 
 
-TIMEOUT_S = 1.0
+TIMEOUT_S = 1.5  # long enough that spawning 4 worker processes on a loaded 2-core machine is not a timeout
 
 
 def test_scorer_that_never_returns_stops_the_run_naming_it_within_bounded_time(router):
-    # 16 samples, 4 workers, timeout 1 s. Without the hung-scorer rule this costs 16 / 4 × 1 s = 4 s; with it the
-    # first round of 4 timeouts (≥ HUNG_AFTER = 3 in a row) marks the scorer hung and the other 12 are not run:
-    # 16 failed of 16 > 0.5 × 16, so the batch raises after ~1 s.
+    # 16 samples, 4 workers, timeout T = 1.5 s. Without the hung-scorer rule this costs 16 / 4 × T = 4T; with it
+    # the first round of 4 timeouts (≥ HUNG_AFTER = 3 in a row) marks the scorer hung and the other 12 are not
+    # run: 16 failed of 16 > 0.5 × 16, so the batch raises after ~T.
     with RewardRunner(router, timeout_s=TIMEOUT_S, num_workers=4, max_failure_rate=0.5) as runner:
         start = time.monotonic()
         with pytest.raises(ScorerFailureError, match=r"scorer '.*scorers.py:forever' \(data_source forever\) failed "
@@ -154,7 +154,7 @@ def test_failure_rate_counts_errors_per_scorer(router):
 def test_a_scorer_that_hangs_only_on_some_inputs_is_not_declared_hung(router):
     # One worker, so calls run in order. "sleepy" hangs on "hang". Timeout streaks: 1, 2, reset by "fast", 1, 2,
     # reset: never 3 in a row, so every sample runs (4 timeouts, 0 skipped).
-    with RewardRunner(router, timeout_s=0.3, num_workers=1, isolation="process") as runner:
+    with RewardRunner(router, timeout_s=0.6, num_workers=1, isolation="process") as runner:
         result = score(runner, ["sleepy"] * 6, ["hang", "hang", "fast", "hang", "hang", "fast"])
         assert (result.num_timeouts, result.num_skipped) == (4, 0) and result.scores[2] == result.scores[5] == 1.0
         # Three in a row (streak 3) marks it hung: the "fast" sample after them is not run.
@@ -174,7 +174,7 @@ def test_one_prompt_that_hangs_does_not_mark_the_scorer_hung(router):
     # the other prompts all score. Only then do the "3" samples fill the workers, string 3 timeouts together and
     # get the rest of theirs skipped: every one of the 8 fails either way, and no other prompt's sample does.
     truths = ["3"] * 8 + ["1", "2", "4", "5", "6", "7", "8", "9"]
-    with RewardRunner(router, timeout_s=0.5, num_workers=4, isolation="process") as runner:
+    with RewardRunner(router, timeout_s=0.8, num_workers=4, isolation="process") as runner:
         result = runner.score(["x"] * 16, truths, ["hangs_on_three"] * 16, [{}] * 16)
     assert result.scores == [0.0] * 8 + [1.0] * 8
     assert result.num_timeouts + result.num_skipped == 8 and result.num_timeouts >= 3
