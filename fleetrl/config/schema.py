@@ -80,11 +80,10 @@ class KLConfig:
 class RolloutCorrectionConfig:
     """Importance weights pi_old / pi_rollout for the rollout-trainer log-prob mismatch (`algo/correction.py`)."""
 
-    mode: str = "none"
-    """none | tis (truncate at cap; Yao et al. 2025) | mis (zero weights above cap) | icepop (zero outside
-    [low, high]). `none` still reports the ratio statistics."""
-    level: str = "token"
-    """token | sequence (the product of a sequence's token ratios, acting on the whole sequence)."""
+    mode: Literal["none", "tis", "mis", "icepop"] = "none"
+    """tis: truncate at cap (Yao et al. 2025); mis: zero weights above cap; icepop: zero outside [low, high]."""
+    level: Literal["token", "sequence"] = "token"
+    """sequence: the product of a sequence's token ratios, acting on the whole sequence)."""
     cap: float = 2.0
     """Upper bound for tis / mis."""
     low: float = 0.5

@@ -11,6 +11,7 @@ from fleetrl.cluster.placement import PlacementError
 from fleetrl.cluster.watchdog import StallError
 from fleetrl.config.plan import Plan, fallback_plan
 from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.inputs import RunInputs
 from fleetrl.trainer.signals import StopSignal
 from fleetrl.trainer.trainer import Trainer
 
@@ -20,7 +21,10 @@ log = logging.getLogger("fleetrl.trainer")
 class Supervisor:
     """Owns the current Plan: it is replaced by the fallback plan when the original cannot be placed again."""
 
-    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, stop: StopSignal | None = None) -> None:
+    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, stop: StopSignal | None = None,
+                 inputs: RunInputs | None = None) -> None:
+        self.inputs = inputs  # read before Ray started; used by the first attempt (a restart reads afresh)
+        self.last_step = 0
         self.plan, self.tracker, self.out_dir = plan, tracker, out_dir
         self.stop = stop
         self.restarts = 0
@@ -28,7 +32,8 @@ class Supervisor:
     def run(self) -> dict[str, float]:
         resume = self.plan.config.trainer.resume
         while True:
-            trainer = Trainer(self.plan, self.tracker, self.out_dir, resume=resume, stop=self.stop)
+            trainer = Trainer(self.plan, self.tracker, self.out_dir, resume=resume, stop=self.stop, inputs=self.inputs)
+            self.inputs = None
             try:
                 return trainer.fit()
             except Exception as e:  # noqa: BLE001 — classified just below; anything else re-raises
@@ -38,13 +43,15 @@ class Supervisor:
                 if not retryable or self.restarts >= self.plan.config.trainer.max_restarts:
                     raise
                 self.restarts += 1
+                self.last_step = max(self.last_step, trainer.step)  # a rebuild that failed early never resumed
                 if isinstance(e, StallError):
-                    self.tracker.event(trainer.step, "stall", error=str(e)[:2000])
-                self.tracker.event(trainer.step, "restart", attempt=self.restarts, error=f"{type(e).__name__}: {e}"[:500])
+                    self.tracker.event(self.last_step, "stall", error=str(e)[:2000])
+                self.tracker.event(self.last_step, "restart", attempt=self.restarts,
+                                   error=f"{type(e).__name__}: {e}"[:500])
                 log.warning("recovering from %s (restart %d/%d)", type(e).__name__, self.restarts,
                             self.plan.config.trainer.max_restarts)
                 trainer.shutdown()
-                self._wait_or_fall_back(trainer.step)
+                self._wait_or_fall_back(self.last_step)
                 resume = "auto"  # the newest complete checkpoint of this run, or the start when there is none
             finally:
                 trainer.shutdown()

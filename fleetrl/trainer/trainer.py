@@ -14,22 +14,16 @@ from typing import Callable, Iterator
 
 import torch
 
-from fleetrl.algo import (
-    ADVANTAGES,
-    AdvantageInputs,
-    apply_kl_penalty,
-    kl_estimate,
-    make_kl_controller,
-    masked_mean,
-)
+from fleetrl.algo import (ADVANTAGES, AdvantageInputs, apply_kl_penalty, fold_kl_into_scores, kl_estimate,
+                          make_kl_controller, mask_truncated, masked_mean, overlong_penalty, rollout_correction)
 from fleetrl.batch import Batch
 from fleetrl.cluster.group import WorkerGroup
 from fleetrl.config.plan import Plan
 from fleetrl.tracking.tracker import Tracker
-from fleetrl.trainer.feed import PromptFeed
+from fleetrl.trainer.dynamic import fill_informative
+from fleetrl.trainer.inputs import RunInputs
 from fleetrl.trainer.metrics import rollout_metrics
 from fleetrl.trainer.progress import Progress, RNGState
-from fleetrl.trainer.rewards import RewardScorer
 from fleetrl.trainer.signals import Interrupted, StopSignal
 from fleetrl.trainer.validate import validate
 from fleetrl.workers.layout import arrange_update
@@ -42,14 +36,12 @@ SEQ_KEYS = ("prompts", "prompt_mask", "responses", "response_mask")
 
 class Trainer:
     def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, resume: str | None = None,
-                 stop: StopSignal | None = None) -> None:
+                 stop: StopSignal | None = None, inputs: RunInputs | None = None) -> None:
         self.stop = stop or StopSignal()
         self.plan, self.cfg, self.tracker, self.out_dir = plan, plan.config, tracker, out_dir
         self.resume = resume or self.cfg.trainer.resume
-        self.train_feed = PromptFeed.for_train(plan)
-        self.val_feed = PromptFeed.for_val(plan, self.train_feed.tokenizer)
-        self.scorer = RewardScorer(self.cfg, self.train_feed.tokenizer)
-        self.scorer.check_sources(self.train_feed.data_sources() | (self.val_feed.data_sources() if self.val_feed else set()))
+        inputs = inputs or RunInputs.load(plan)
+        self.train_feed, self.val_feed, self.scorer = inputs.train, inputs.val, inputs.scorer
         kl = self.cfg.algorithm.kl
         self.kl_ctl = make_kl_controller(kl.controller, kl.coef, kl.target, kl.horizon)
         self.progress = Progress()
@@ -80,8 +72,7 @@ class Trainer:
             self.timings = {}
             self._ray_overhead()  # drop what validation/resume accumulated: only this step's calls count
             t0 = time.perf_counter()
-            batch = self.generate(self.train_feed.next_batch(self.cfg.data.prompts_per_step))
-            batch = self.score(batch)
+            batch = self.rollouts()
             batch = self.logprobs(batch)
             batch = self.values(batch)
             batch = self.advantages(batch)
@@ -104,6 +95,18 @@ class Trainer:
         return last
 
     # ---------------------------------------------------------------------------------------- phases
+    def rollouts(self) -> Batch:
+        """generate + score for one step's prompts; with dynamic sampling, more rounds until every group is
+        informative (trainer/dynamic.py)."""
+        fresh = lambda: self.score(self.generate(self.train_feed.next_batch(self.cfg.data.prompts_per_step)))  # noqa: E731
+        ds = self.cfg.algorithm.dynamic_sampling
+        if not ds.enabled:
+            return fresh()
+        batch, stats = fill_informative(fresh(), fresh, groups=self.cfg.data.prompts_per_step, n=self.cfg.rollout.n,
+                                        max_rounds=ds.max_rounds)
+        batch.meta["dynamic_sampling"] = stats
+        return batch
+
     def generate(self, prompts: Batch) -> Batch:
         n = self.cfg.rollout.n
         with self._timed("generate"):
@@ -117,6 +120,12 @@ class Trainer:
     def score(self, batch: Batch) -> Batch:
         with self._timed("score"):
             scores, stats = self.scorer.score(batch)
+            o = self.cfg.algorithm.overlong
+            if o.buffer:  # DAPO soft overlong punishment, part of the score every later phase sees
+                penalty = overlong_penalty(batch["response_mask"].sum(1), max_len=self.cfg.rollout.max_new_tokens,
+                                           buffer=o.buffer, factor=o.factor)
+                stats["overlong_penalty_mean"] = float(penalty.mean())
+                scores = scores + penalty
             batch.tensors["scores"] = scores
             batch.meta["reward_stats"] = stats
             return batch
@@ -128,6 +137,15 @@ class Trainer:
                 batch = batch.update(self.group("actor").call_split(Worker.compute_logprobs, seq))
             if self.plan.use_ref:
                 batch = batch.update(self.group("ref").call_split(Worker.compute_ref_logprobs, seq))
+            if self.plan.rollout_correction:  # over the whole batch: max/min do not survive per-rank shares
+                c = self.cfg.algorithm.rollout_correction
+                w, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
+                                              mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
+                batch.tensors["is_weights"] = w
+                batch.meta["correction"] = {k: float(v) for k, v in stats.items()}
+            if self.cfg.algorithm.overlong.mask_truncated:
+                truncated = torch.tensor([f == "length" for f in batch["finish_reason"]])
+                batch.tensors["loss_mask"] = mask_truncated(batch["response_mask"], truncated)
             return batch
 
     def values(self, batch: Batch) -> Batch:
@@ -139,7 +157,7 @@ class Trainer:
     def advantages(self, batch: Batch) -> Batch:
         algo = self.cfg.algorithm
         mask = batch["response_mask"].float()
-        token_rewards = None
+        scores, token_rewards = batch["scores"], None
         if self.plan.use_ref:
             # Without a recompute pass the rollout's own log-probs stand for the policy's (same weights).
             logp = batch["old_logprobs"] if self.plan.recompute_logprobs else batch["rollout_logprobs"]
@@ -147,10 +165,12 @@ class Trainer:
             seq_kl = float(masked_mean(kl_bt, mask))
             batch.meta["kl"] = seq_kl
             if algo.kl.placement == "reward":
-                token_rewards, _ = apply_kl_penalty(batch["scores"], logp, batch["ref_logprobs"],
-                                                    mask, self.kl_ctl.coef, algo.kl.estimator)
+                token_rewards, kl = apply_kl_penalty(batch["scores"], logp, batch["ref_logprobs"],
+                                                     mask, self.kl_ctl.coef, algo.kl.estimator)
+                if self.plan.kl_into_score:  # an outcome estimator ignores token rewards: fold them into the score
+                    scores, token_rewards = fold_kl_into_scores(scores, kl, mask, self.kl_ctl.coef), None
             self.kl_ctl.update(seq_kl, len(batch))
-        inputs = AdvantageInputs(scores_B=batch["scores"], mask_BT=mask, group_B=batch["group"],
+        inputs = AdvantageInputs(scores_B=scores, mask_BT=mask, group_B=batch["group"],
                                  token_rewards_BT=token_rewards, values_BT=batch.tensors.get("values"),
                                  gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std)
         adv, ret = ADVANTAGES.get(algo.advantage)(inputs)
@@ -166,15 +186,19 @@ class Trainer:
             keys = [*SEQ_KEYS, "advantages", "rollout_logprobs"]
             keys += ["old_logprobs"] if self.plan.recompute_logprobs else []
             keys += ["ref_logprobs"] if self.cfg.algorithm.kl.placement == "loss" else []
+            keys += ["is_weights"] if self.plan.rollout_correction else []
+            keys += ["loss_mask"] if self.cfg.algorithm.overlong.mask_truncated else []
             with self._timed("update_actor"):
                 metrics.update(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
         return {f"train/{k}": v for k, v in metrics.items()}
 
     def _update_role(self, role: str, batch: Batch, method: Callable) -> dict[str, float]:
+        loss_mask = "loss_mask" if role == "actor" and "loss_mask" in batch else "response_mask"
         parts, minis = arrange_update(batch, self.plan.num_mini_batches, self.plan.world[role],
-                                      norm_len=float(self.cfg.rollout.max_new_tokens))
+                                      norm_len=float(self.cfg.rollout.max_new_tokens), mask_key=loss_mask)
         spec = UpdateSpec(minis=minis, kl_coef=self.kl_ctl.coef,
-                          old_logprobs="recomputed" if self.plan.recompute_logprobs else "current")
+                          old_logprobs="recomputed" if self.plan.recompute_logprobs else "current",
+                          is_weights=role == "actor" and self.plan.rollout_correction, loss_mask=loss_mask)
         return UpdateMetrics.reduce(self.group(role).call_parts(method, parts, spec))
 
     def sync(self) -> None:
@@ -196,7 +220,8 @@ class Trainer:
 
     def checkpoint(self, force: bool = False) -> None:
         t = self.cfg.trainer
-        if force or (t.save_every and self.step % t.save_every == 0):
+        # The last step is always saved when checkpoints are on: the steps after the last multiple are not lost.
+        if force or (t.save_every and (self.step % t.save_every == 0 or self.step == self.plan.total_steps)):
             with self._timed("checkpoint"):
                 from fleetrl.checkpoint.manager import save_checkpoint
 
@@ -217,7 +242,8 @@ class Trainer:
         diff = load_checkpoint(path, groups=list(self.groups.values()), state=self.state(), config=self.cfg)
         if diff:
             self.tracker.event(self.step, "config_changed_on_resume", diff=diff)
-        self.tracker.event(self.step, "resumed", path=str(path))
+        # Records of steps after this one that metrics.jsonl already holds are superseded by the redone steps.
+        self.tracker.event(self.step, "resumed", path=str(path), supersedes_after=self.step)
         self._publish_weights()  # the rollout engines must hold the resumed weights and version
 
     def stop_now(self) -> None:

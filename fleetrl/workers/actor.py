@@ -91,14 +91,15 @@ class ActorComponent:
         logp, ent = sequence_logprobs(self.model, mb["prompts"], mb["prompt_mask"], mb["responses"],
                                       mb["response_mask"], temperature=gen_temperature(self.ctx),
                                       return_entropy=need_entropy, chunk_size=self.chunk)
-        mask = mb["response_mask"].float()
+        mask = mb[spec.loss_mask].float()
         agg = dict(agg=algo.loss_agg, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, norm_len=counts.norm_len)
         # On-policy (no recompute pass): old = this forward's own detached log-probs, so the ratio is exactly 1
         # and the gradient is the policy gradient.
         old = logp.detach().float() if on_policy else mb["old_logprobs"]
         loss, m = POLICY_LOSSES.get(algo.policy_loss)(
             logp.float(), old, mb["advantages"], mask, clip_low=algo.clip_low,
-            clip_high=algo.clip_high, dual_clip=algo.dual_clip, **agg)
+            clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+            is_weights_BT=mb["is_weights"] if spec.is_weights else None, **agg)
         # Metrics are returned as shares of the global mean: the micro-batch's token fraction weights them,
         # so summing over micro-batches and ranks gives the mini-batch mean.
         share = float(mask.sum()) / max(counts.num_tokens, 1.0)
