@@ -73,5 +73,5 @@ def _summary(tracker: Tracker, out: Path) -> None:
     vals = [(r["step"], r["val/reward_mean"]) for r in tracker.history if "val/reward_mean" in r]
     if vals:
         (s0, v0), (s1, v1) = vals[0], vals[-1]
-        tracker.console.print(f"[bold]validation reward[/]: {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})")
-    tracker.console.print(f"metrics: {out / 'metrics.jsonl'}   tensorboard: {out / 'tensorboard'}")
+        tracker.console.print(Text(f"validation reward: {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})"))
+    tracker.console.print(Text(f"metrics: {out / 'metrics.jsonl'}   tensorboard: {out / 'tensorboard'}"), soft_wrap=True)
