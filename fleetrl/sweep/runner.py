@@ -118,8 +118,10 @@ class Sweep:
         run_dir = self.dir / rec.name
         run_dir.mkdir(parents=True, exist_ok=True)
         metrics = run_dir / "metrics.jsonl"
-        resume = "auto" if rec.attempts > 0 or metrics.exists() else "never"
-        if resume == "auto" and metrics.exists():
+        # Always `auto`: a fresh run dir has no checkpoint, so it starts from scratch; a retry or a resumed sweep
+        # continues from the newest complete checkpoint, and the config stays the same across attempts.
+        resume = "auto"
+        if metrics.exists() and metrics.stat().st_size:
             # Marks where this attempt's (repeated) steps begin, for readers of metrics.jsonl (`fleetrl report`).
             last = Heartbeat(metrics, None)
             last.poll()
@@ -137,7 +139,7 @@ class Sweep:
             _record_devices(run_dir, slot, env)
         proc = RunProcess.start(cmd, env, run_dir / "train.log")
         self.m.save(self.dir)
-        self._say(f"[cyan]start[/] {rec.name} (attempt {rec.attempts}, {rec.resources}, resume={resume})")
+        self._say(f"[cyan]start[/] {rec.name} (attempt {rec.attempts}, {rec.resources})")
         return _Active(rec, proc, slot, Heartbeat(metrics, self.totals[rec.name]))
 
     def _check(self, a: _Active, queue: list[RunRecord]) -> bool:
@@ -180,6 +182,7 @@ class Sweep:
         for a in active:
             a.rec.state = "stopped"
             self.alloc.release(a.slot)
+            shutil.rmtree(a.rec.ray_tmp or "", ignore_errors=True)  # a killed Ray's session: nothing to keep
         for r in queue:
             r.state = "stopped"
         self.m.save(self.dir)
