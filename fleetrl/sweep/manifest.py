@@ -29,6 +29,9 @@ class RunRecord:
     """Why the last attempt ended badly, and the tail of its log."""
     resources: str = ""
     ray_tmp: str | None = None
+    started: float | None = None
+    """Unix time the last attempt started / ended (shows which runs overlapped)."""
+    ended: float | None = None
 
     @property
     def spec(self) -> RunSpec:

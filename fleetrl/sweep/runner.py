@@ -130,6 +130,7 @@ class Sweep:
                                     "attempt": rec.attempts + 1}) + "\n")
         rec.attempts += 1
         rec.state, rec.resources, rec.exit_code = "running", slot.describe(), None
+        rec.started, rec.ended = time.time(), None
         rec.ray_tmp = _ray_tmp(self.dir, rec.name)
         cmd = [*slot.command_prefix(), sys.executable, "-m", "fleetrl.cli.main", "train", self.m.config,
                *self._run_overrides(rec, slot), f"trainer.output_dir={run_dir}", f"trainer.resume={resume}"]
@@ -155,7 +156,7 @@ class Sweep:
             reason = f"exited with code {code}"
         # A stalled run is ended like on Ctrl-C; an exited one may have left its Ray behind after a crash.
         stop_all([a.proc], self.opt.grace_s if code is None else 2.0)
-        a.rec.exit_code = code
+        a.rec.exit_code, a.rec.ended = code, time.time()
         if code == 0:
             a.rec.state, a.rec.error = "finished", None
             shutil.rmtree(a.rec.ray_tmp or "", ignore_errors=True)
@@ -180,7 +181,7 @@ class Sweep:
         self._say(f"[yellow]{name}[/]: stopping {len(active)} run(s) (SIGTERM, SIGKILL after {self.opt.grace_s:.0f} s)")
         left = stop_all([a.proc for a in active], self.opt.grace_s)
         for a in active:
-            a.rec.state = "stopped"
+            a.rec.state, a.rec.ended = "stopped", time.time()
             self.alloc.release(a.slot)
             shutil.rmtree(a.rec.ray_tmp or "", ignore_errors=True)  # a killed Ray's session: nothing to keep
         for r in queue:

@@ -2,7 +2,13 @@ import json
 
 import yaml
 
-from fleetrl.report.load import Run, assign_groups, find_runs, read_metrics, same_metrics
+from fleetrl.report.load import (
+    Run,
+    assign_groups,
+    find_runs,
+    read_metrics,
+    same_metrics,
+)
 
 
 def _jsonl(path, lines):

@@ -5,8 +5,7 @@ from fleetrl.sweep.health import Heartbeat
 
 def _write(path, *records, tail=""):
     with open(path, "a") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in records)
         f.write(tail)
 
 
