@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on servers, and no GUI backend thread in a CLI
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from fleetrl.report.load import Run
 from fleetrl.report.stats import band
@@ -51,6 +52,7 @@ def plot_metric(key: str, groups: dict[str, list[Run]], path: Path) -> Path:
             ax.fill_between(steps, [c.lo for c in cis], [c.hi for c in cis], color=color, alpha=0.18, linewidth=0)
     ax.set_title(key, fontsize=10)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()

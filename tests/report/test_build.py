@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import yaml
 
 from fleetrl.report import build_report
@@ -50,3 +51,9 @@ def test_the_same_seed_twice_is_counted_once_and_flagged(tmp_path):
     # keys are compared in sorted order: train/entropy (1 - 0.3 = 0.7 vs 1 - 0.35 = 0.65) comes first
     assert "DIFFERENT metrics (step 3 train/entropy: 0.7 vs 0.65)" in res.warnings[1]
     assert "DIFFERENT metrics" in res.html.read_text()
+
+
+def test_compare_names_the_groups_it_knows(tmp_path):
+    _run(tmp_path, "a", 1, "grpo", [0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="no group named advantage=ppo; groups are: all runs"):
+        build_report([tmp_path], tmp_path / "out", compare=("advantage=ppo", "all runs"))
