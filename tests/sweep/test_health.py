@@ -31,3 +31,19 @@ def test_events_and_garbage_do_not_move_the_step(tmp_path):
     beat = Heartbeat(m, total_steps=None)
     assert beat.poll() is True
     assert beat.step == 4 and beat.eta_s is None
+
+
+def test_s_per_step_switches_to_wall_clock_once_steps_are_seen_over_time(tmp_path):
+    m = tmp_path / "metrics.jsonl"
+    now = [100.0]
+    beat = Heartbeat(m, total_steps=20, clock=lambda: now[0])
+    _write(m, {"step": 1, "train/time/step": 0.5})
+    beat.poll()
+    assert beat.s_per_step == 0.5  # one observation: the trainer's own step time
+    now[0] = 112.0  # 12 s later the run is at step 5 (validation and a checkpoint happened in between)
+    _write(m, {"step": 5, "train/time/step": 0.5})
+    beat.poll()
+    # (112 - 100) s / (5 - 1) steps = 3 s/step; ETA = (20 - 5) * 3 = 45 s
+    assert beat.s_per_step == 3.0 and beat.eta_s == 45.0
+    now[0] = 130.0
+    assert beat.silent_for() == 18.0
