@@ -165,3 +165,20 @@ def test_a_crashing_run_is_reported_with_its_log_tail_and_the_others_finish(tmp_
     assert rep.returncode == 0, rep.stdout + rep.stderr
     assert "failed: default=_nonexistent.py_fn,seed=42" in (out / "report" / "report.html").read_text()
     shutil.rmtree(out, ignore_errors=True)
+
+
+def test_a_stalled_run_is_ended_and_reported(tmp_path):
+    """A reward function that never returns (timeout far away) freezes the run before its first metrics line;
+    the sweep calls it stalled after --stall-s, ends its whole tree and reports it."""
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\n\ndef fn(response, ground_truth, extra_info=None):\n    time.sleep(3600)\n")
+    out = tmp_path / "stall"
+    t0 = time.monotonic()
+    r = _cli("sweep", "examples/quickstart.yaml", "--seeds", "42", "--cpus-per-run", "1", "--stall-s", "10",
+             "--grace-s", "2", "--out", str(out), "--plain", *TINY, "cluster.backend=local",
+             f"rewards.sources.synthetic/copy={hang}:fn", "rewards.timeout_s=3600")
+    took = time.monotonic() - t0
+    run = json.loads((out / "sweep.json").read_text())["runs"][0]
+    assert r.returncode == 1 and run["state"] == "failed", r.stdout[-3000:]
+    assert run["error"].startswith("stalled: no new line in metrics.jsonl for 1")  # 10..19 s
+    assert "stalled" in r.stdout and took < 90
