@@ -29,6 +29,10 @@ class RunRecord:
     """Why the last attempt ended badly, and the tail of its log."""
     resources: str = ""
     ray_tmp: str | None = None
+    pid: int | None = None
+    """Session leader of the last attempt and its start time (psutil create_time): lets `--resume` find and end
+    the runs of a sweep that was killed with SIGKILL, without ever touching a reused pid."""
+    pid_created: float | None = None
     started: float | None = None
     """Unix time the last attempt started / ended (shows which runs overlapped)."""
     ended: float | None = None

@@ -80,6 +80,8 @@ class RunProcess:
 
     def reap(self) -> None:
         """Collect the leader's exit status so it does not linger as a zombie."""
+        if self.popen is None:  # not our child (an orphan of an earlier sweep): init reaps it
+            return
         try:
             self.popen.wait(timeout=0.1)
         except subprocess.TimeoutExpired:
@@ -130,3 +132,18 @@ def log_tail(path: Path, lines: int = 25, max_bytes: int = 64_000) -> str:
     except OSError as e:
         return f"(no log: {e})"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def end_orphan(pid: int, created: float, grace_s: float) -> bool:
+    """Ends the session of a run left behind by a sweep that died without stopping it; True when there was one.
+    The pid counts only if it is still the process that was started (same create_time) and leads its session."""
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - created) > 1e-3 or os.getsid(pid) != pid:
+            return False
+    except (psutil.Error, ProcessLookupError):
+        return False
+    run = RunProcess.__new__(RunProcess)
+    run.pid, run.known, run.popen = pid, {}, None
+    stop_all([run], grace_s)
+    return True

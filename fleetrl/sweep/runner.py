@@ -24,7 +24,7 @@ from rich.console import Console
 from fleetrl.config import load_config
 from fleetrl.sweep.health import Heartbeat
 from fleetrl.sweep.manifest import Manifest, RunRecord
-from fleetrl.sweep.process import RunProcess, log_tail, stop_all
+from fleetrl.sweep.process import RunProcess, end_orphan, log_tail, stop_all
 from fleetrl.sweep.resources import (
     Allocator,
     Slot,
@@ -77,6 +77,8 @@ class Sweep:
         """Runs every unfinished run; returns 0 when all finished, 1 when some failed, 130 when stopped."""
         queue = [r for r in self.m.runs if r.state != "finished"]
         for r in queue:
+            if r.state == "running" and r.pid and r.pid_created and end_orphan(r.pid, r.pid_created, self.opt.grace_s):
+                self._say(f"[yellow]ended[/] {r.name} (pid {r.pid}), left running by a sweep that was killed")
             r.state = "queued"
         self.m.save(self.dir)
         active: list[_Active] = []
@@ -139,6 +141,7 @@ class Sweep:
         if slot.gpus:
             _record_devices(run_dir, slot, env)
         proc = RunProcess.start(cmd, env, run_dir / "train.log")
+        rec.pid, rec.pid_created = proc.pid, _created(proc.pid)
         self.m.save(self.dir)
         self._say(f"[cyan]start[/] {rec.name} (attempt {rec.attempts}, {rec.resources})")
         return _Active(rec, proc, slot, Heartbeat(metrics, self.totals[rec.name]))
@@ -232,6 +235,15 @@ def _escape(text: str) -> str:
     from rich.markup import escape
 
     return escape(text)
+
+
+def _created(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 def _ray_tmp(sweep_dir: Path, name: str) -> str:

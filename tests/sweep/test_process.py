@@ -4,7 +4,7 @@ import time
 
 import psutil
 
-from fleetrl.sweep.process import RunProcess, log_tail, stop_all
+from fleetrl.sweep.process import RunProcess, end_orphan, log_tail, stop_all
 
 # A leader that ignores SIGTERM with two children; the second child leaves the run's session (setsid), the
 # way a daemon-style helper can, so only the remembered tree finds it.
@@ -43,3 +43,14 @@ def test_log_tail_returns_the_last_lines(tmp_path):
     log.write_text("".join(f"line {i}\n" for i in range(100)))
     assert log_tail(log, lines=3) == "line 97\nline 98\nline 99"
     assert log_tail(tmp_path / "missing.log").startswith("(no log:")
+
+
+def test_end_orphan_ends_a_leftover_run_and_ignores_a_reused_pid(tmp_path):
+    run = RunProcess.start([sys.executable, "-c", "import time; time.sleep(300)"], env={}, log_path=tmp_path / "l")
+    created = psutil.Process(run.pid).create_time()
+    assert end_orphan(run.pid, created + 5.0, grace_s=1.0) is False  # another process's start time: untouched
+    assert run.poll() is None
+    assert end_orphan(run.pid, created, grace_s=1.0) is True
+    run.reap()
+    assert run.poll() == -signal.SIGTERM
+    assert end_orphan(run.pid, created, grace_s=1.0) is False  # gone: nothing to end
