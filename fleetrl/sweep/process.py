@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -99,13 +100,15 @@ def session_members(sid: int) -> list[psutil.Process]:
     return out
 
 
-def stop_all(runs: list[RunProcess], grace_s: float, deadline_s: float = 30.0) -> list[int]:
-    """SIGTERM every run's processes, wait up to `grace_s`, then SIGKILL what is left; returns the pids still
-    alive after `deadline_s` (empty unless a process is stuck in the kernel)."""
+def stop_all(runs: list[RunProcess], grace_s: float, deadline_s: float = 30.0,
+             hurry: Callable[[], bool] = lambda: False) -> list[int]:
+    """SIGTERM every run's processes, wait up to `grace_s` (cut short when `hurry()` turns true, e.g. a second
+    Ctrl-C), then SIGKILL what is left; returns the pids still alive after `deadline_s` (empty unless a process
+    is stuck in the kernel)."""
     start = time.monotonic()
     for r in runs:
         r.signal_all(signal.SIGTERM)
-    while time.monotonic() - start < grace_s and any(r.alive_members() for r in runs):
+    while time.monotonic() - start < grace_s and not hurry() and any(r.alive_members() for r in runs):
         for r in runs:
             r.reap()
         time.sleep(0.2)

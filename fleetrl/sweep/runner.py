@@ -22,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fleetrl.config import load_config
+from fleetrl.config.schema import RunConfig
 from fleetrl.sweep.health import Heartbeat
 from fleetrl.sweep.manifest import Manifest, RunRecord
 from fleetrl.sweep.process import RunProcess, end_orphan, log_tail, stop_all
@@ -65,8 +66,10 @@ class Sweep:
     def __init__(self, sweep_dir: Path, manifest: Manifest, options: SweepOptions, console: Console) -> None:
         self.dir, self.m, self.opt, self.console = Path(sweep_dir), manifest, options, console
         self.stop_signal: int | None = None
-        self.totals = {r.name: self._total_steps(r) for r in manifest.runs}  # also validates every run's config
-        self.alloc = self._allocator()
+        self.hurry = False  # a second Ctrl-C: SIGKILL without waiting out the grace
+        cfgs = [self._config(r) for r in manifest.runs]  # also validates every run's config
+        self.totals = {r.name: c.trainer.total_steps for r, c in zip(manifest.runs, cfgs)}
+        self.alloc = self._allocator(cfgs)
         self.m.options = {**self.m.options, "resources": {"gpus_per_run": self.alloc.gpus_per_run,
                                                           "cpus_per_run": self.alloc.cpus_per_run,
                                                           "max_parallel": self.alloc.max_parallel},
@@ -97,6 +100,10 @@ class Sweep:
                     self._sleep(self.opt.poll_s)
                 if self.stop_signal is not None:
                     self._stop(active, queue)
+        except BaseException:
+            # A bug or an OS error in the loop must not leave runs behind: they are in their own sessions.
+            stop_all([a.proc for a in active], grace_s=self.opt.grace_s)
+            raise
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -106,8 +113,7 @@ class Sweep:
         return 1 if any(r.state == "failed" for r in self.m.runs) else 0
 
     def _on_signal(self, signum: int, frame) -> None:
-        if self.stop_signal is not None:  # a second Ctrl-C: no more grace
-            self.opt = SweepOptions(**{**self.opt.__dict__, "grace_s": 0.0})
+        self.hurry = self.stop_signal is not None
         self.stop_signal = signum
 
     def _sleep(self, seconds: float) -> None:
@@ -182,7 +188,7 @@ class Sweep:
     def _stop(self, active: list[_Active], queue: list[RunRecord]) -> None:
         name = signal.Signals(self.stop_signal).name
         self._say(f"[yellow]{name}[/]: stopping {len(active)} run(s) (SIGTERM, SIGKILL after {self.opt.grace_s:.0f} s)")
-        left = stop_all([a.proc for a in active], self.opt.grace_s)
+        left = stop_all([a.proc for a in active], self.opt.grace_s, hurry=lambda: self.hurry)
         for a in active:
             a.rec.state, a.rec.ended = "stopped", time.time()
             self.alloc.release(a.slot)
@@ -201,19 +207,20 @@ class Sweep:
             extra.append(f"cluster.num_cpus={len(slot.cpus)}")
         return [*self.m.overrides, *rec.spec.overrides(), *extra]
 
-    def _total_steps(self, rec: RunRecord) -> int | None:
+    def _config(self, rec: RunRecord) -> RunConfig:
         cfg = load_config(self.m.config, [*self.m.overrides, *rec.spec.overrides()])
         if cfg.cluster.address is not None:
             raise ValueError(f"cluster.address={cfg.cluster.address}: `fleetrl sweep` starts a local Ray per run "
                              f"on this machine; remove cluster.address (or the override) to sweep here")
-        self._cfg = cfg
-        return cfg.trainer.total_steps
+        return cfg
 
-    def _allocator(self) -> Allocator:
-        cfg, opt = self._cfg, self.opt
+    def _allocator(self, cfgs: list[RunConfig]) -> Allocator:
+        """One slot size for all runs: the largest any run's placement needs (a grid may change placement)."""
+        opt = self.opt
         gpus = detect_gpus()
-        g = opt.gpus_per_run if opt.gpus_per_run is not None else (gpus_needed(cfg) if gpus else 0)
-        c = opt.cpus_per_run if opt.cpus_per_run is not None else (0 if g else cpus_needed(cfg))
+        need_g = max(gpus_needed(c) for c in cfgs) if gpus else 0
+        g = opt.gpus_per_run if opt.gpus_per_run is not None else need_g
+        c = opt.cpus_per_run if opt.cpus_per_run is not None else (0 if g else max(cpus_needed(c) for c in cfgs))
         cpus = detect_cpus()
         per_run = [n // k for n, k in ((len(gpus), g), (len(cpus), c)) if k]
         max_parallel = opt.max_parallel or (min(per_run) if per_run else 1)

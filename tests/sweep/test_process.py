@@ -54,3 +54,13 @@ def test_end_orphan_ends_a_leftover_run_and_ignores_a_reused_pid(tmp_path):
     run.reap()
     assert run.poll() == -signal.SIGTERM
     assert end_orphan(run.pid, created, grace_s=1.0) is False  # gone: nothing to end
+
+
+def test_hurry_cuts_the_grace_short(tmp_path):
+    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('re' + 'ady', flush=True); time.sleep(300)"
+    run = RunProcess.start([sys.executable, "-c", ignore_term], env={}, log_path=tmp_path / "l")
+    while "ready" not in (tmp_path / "l").read_text():  # the log also holds the command, hence 're' + 'ady'
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    assert stop_all([run], grace_s=60.0, hurry=lambda: True) == []  # a second Ctrl-C: SIGKILL at once
+    assert time.monotonic() - t0 < 10.0 and run.poll() == -signal.SIGKILL
