@@ -92,5 +92,5 @@ def report(
 
 
 def register(app: typer.Typer) -> None:
-    app.command(context_settings={"allow_extra_args": False})(sweep)
+    app.command()(sweep)
     app.command()(report)

@@ -24,6 +24,8 @@ class RunRecord:
     grid: dict[str, str]
     state: str = "queued"
     attempts: int = 0
+    failures: int = 0
+    """Attempts that died or stalled (a Ctrl-C is not one): `--retries` bounds these."""
     exit_code: int | None = None
     error: str | None = None
     """Why the last attempt ended badly, and the tail of its log."""

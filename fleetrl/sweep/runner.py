@@ -178,9 +178,10 @@ class Sweep:
     def _fail(self, a: _Active, reason: str, queue: list[RunRecord]) -> None:
         tail = log_tail(a.proc.log_path)
         a.rec.error = f"{reason}\n{tail}"
-        retry = a.rec.attempts <= self.opt.retries
+        a.rec.failures += 1
+        retry = a.rec.failures <= self.opt.retries
         a.rec.state = "queued" if retry else "failed"
-        what = f"retrying from its last checkpoint ({a.rec.attempts}/{self.opt.retries})" if retry else "giving up"
+        what = f"retrying from its last checkpoint ({a.rec.failures}/{self.opt.retries})" if retry else "giving up"
         self._say(f"[bold red]{a.rec.name}[/] {reason}; {what}. Log: {a.proc.log_path}\n[dim]{_escape(tail)}[/]")
         if retry:
             queue.insert(0, a.rec)

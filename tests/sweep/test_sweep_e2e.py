@@ -157,7 +157,7 @@ def test_a_crashing_run_is_reported_with_its_log_tail_and_the_others_finish(tmp_
     runs = {x["name"]: x for x in json.loads((out / "sweep.json").read_text())["runs"]}
     bad, good = runs["default=_nonexistent.py_fn,seed=42"], runs["default=exact_match,seed=42"]
     assert good["state"] == "finished"
-    assert bad["state"] == "failed" and bad["attempts"] == 2  # the first try and one retry
+    assert bad["state"] == "failed" and bad["attempts"] == bad["failures"] == 2  # the first try and one retry
     assert bad["error"].startswith("exited with code 2")
     assert "file /nonexistent.py does not exist" in bad["error"]  # the log tail, in the manifest...
     assert "file /nonexistent.py does not exist" in r.stdout      # ...and on the console
