@@ -73,6 +73,9 @@ def export(checkpoint: str = typer.Argument(..., help="A checkpoint folder (OUT/
 from fleetrl.cli import ops  # noqa: E402  (cluster, doctor, jobs, recipes, reward server)
 
 ops.register(app)
+from fleetrl.cli import sweep as _sweep  # noqa: E402  (sweep, report)
+
+_sweep.register(app)
 
 if __name__ == "__main__":
     app()
