@@ -54,6 +54,7 @@ def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
     try:
         with StopSignal() as stop:
             last = Supervisor(plan, tracker, out, stop=stop, inputs=inputs).run()
+        tracker.event(plan.total_steps, "finished")  # tells a complete run from one cut short (report, sweep)
         _summary(tracker, out)
         return last
     except Interrupted as e:

@@ -40,6 +40,11 @@ class Supervisor:
                 # After a loss, placement may fail while a replacement node is still joining: that is part
                 # of recovering. On the first attempt an unplaceable plan is a config error: fail fast.
                 retryable = is_recoverable(e) or (self.restarts > 0 and isinstance(e, PlacementError))
+                if retryable and isinstance(e, PlacementError) and self._fall_back(max(self.last_step, trainer.step)):
+                    # Ray had not yet declared the lost node dead when this rebuild was placed: the fallback
+                    # placement is part of the same recovery, not another restart.
+                    trainer.shutdown()
+                    continue
                 if not retryable or self.restarts >= self.plan.config.trainer.max_restarts:
                     raise
                 self.restarts += 1
@@ -57,14 +62,19 @@ class Supervisor:
                 trainer.shutdown()
 
     def _wait_or_fall_back(self, step: int) -> None:
-        wait = self.plan.config.trainer.restart_wait_s
         try:
-            wait_for_capacity(self.plan, wait)
+            wait_for_capacity(self.plan, self.plan.config.trainer.restart_wait_s)
         except PlacementError:
-            fallback = fallback_plan(self.plan)
-            if fallback is None:
+            if not self._fall_back(step):
                 raise
-            wait_for_capacity(fallback, wait)
-            self.tracker.event(step, "fallback_placement", roles=fallback.roles,
-                               pools={n: p.bundle for n, p in fallback.pools.items()})
-            self.plan = fallback
+
+    def _fall_back(self, step: int) -> bool:
+        """Switches to cluster.fallback_pools/roles once; False when there is none or it is already in use."""
+        fallback = fallback_plan(self.plan)
+        if fallback is None:
+            return False
+        wait_for_capacity(fallback, self.plan.config.trainer.restart_wait_s)
+        self.tracker.event(step, "fallback_placement", roles=dict(fallback.roles),
+                           pools={n: dict(p.bundle) for n, p in fallback.pools.items()})
+        self.plan = fallback
+        return True
