@@ -182,7 +182,8 @@ def _unshare_works() -> bool:
     if _UNSHARE_OK is None:
         try:
             _UNSHARE_OK = shutil.which("unshare") is not None and subprocess.run(
-                ["unshare", "--net", "--pid", "--fork", "--", "true"], capture_output=True, timeout=10).returncode == 0
+                ["unshare", "--net", "--pid", "--fork", "--", "true"], check=False, capture_output=True,
+                timeout=10).returncode == 0
         except (OSError, subprocess.TimeoutExpired):
             _UNSHARE_OK = False
     return _UNSHARE_OK
