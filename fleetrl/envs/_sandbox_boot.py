@@ -30,9 +30,9 @@ def _inside(path, root):
     return real == root or real.startswith(root + os.sep)
 
 
-def _make_hook(root):
+def _make_hook(root, deny_fork):
     def hook(event, args):
-        if event.startswith(_DENIED_EVENTS):
+        if event.startswith(_DENIED_EVENTS) or (deny_fork and event in ("os.fork", "os.forkpty")):
             raise PermissionError(f"sandbox: {event} is not allowed")
         if event == "import" and args[0] in _DENIED_IMPORTS:
             raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
@@ -67,7 +67,7 @@ def _worker(spec):
         code = compile(f.read(), "<sandbox>", "exec")
     sys.argv = ["<sandbox>"]
     sys.path = [p for p in sys.path if p]  # no cwd entry
-    sys.addaudithook(_make_hook(root))
+    sys.addaudithook(_make_hook(root, spec["deny_fork"]))
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__})  # noqa: S102 — running it is the point
 
 
@@ -76,6 +76,9 @@ def main():
     if spec["cgroup_procs"]:
         with open(spec["cgroup_procs"], "w") as f:
             f.write(str(os.getpid()))
+    # Opened before the audit hook exists: the worker names its fatal exception here, so the parent can tell
+    # a MemoryError or a refused operation apart from other errors even when stderr is cut.
+    report = os.open(spec["status_path"] + ".exc", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     pid = os.fork()
     if pid == 0:
         try:
@@ -84,9 +87,10 @@ def main():
             code = exc.code
             sys.stdout.flush()
             os._exit(code if isinstance(code, int) else (0 if code is None else 1))
-        except BaseException:  # noqa: BLE001 — report any failure of user code as its traceback
+        except BaseException as exc:  # noqa: BLE001 — report any failure of user code as its traceback
             import traceback
 
+            os.write(report, json.dumps({"type": type(exc).__name__, "message": str(exc)[:200]}).encode())
             traceback.print_exc()
             sys.stderr.flush()
             os._exit(1)

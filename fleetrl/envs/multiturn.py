@@ -125,9 +125,11 @@ class ObservationRenderer:
                            "use a template whose rendering of a conversation is a prefix of its extension")
         closing = self._closing
         if last_model_token in self._special:
+            # The model closed its message itself (e.g. sampled <|im_end|>): drop that token's text and any
+            # whitespace the template puts before it, keep the rest (Qwen's "\n").
             generated = self.tokenizer.decode([last_model_token])
-            if generated and closing.startswith(generated):
-                closing = closing[len(generated):]
+            if generated and closing.lstrip().startswith(generated):
+                closing = closing.lstrip()[len(generated):]
         return self.tokenizer.encode(closing + after[len(self._before):], add_special_tokens=False)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:

@@ -5,14 +5,15 @@ Layers, each independent of the others (docs/envs.md lists what each one guarant
   CPU time      RLIMIT_CPU: SIGXCPU at `cpu_s`, SIGKILL a second later (kernel-enforced).
   memory        RLIMIT_AS on the worker (kernel-enforced; Python raises MemoryError).
   processes     a pids cgroup with pids.max = `max_procs` when /sys/fs/cgroup is writable (kernel-enforced, also
-                for root), else RLIMIT_NPROC (enforced only for a non-root uid); plus `unshare --pid`: when the
-                run ends, every process it started dies with its PID namespace.
+                for root), else RLIMIT_NPROC (enforced only for a non-root uid), else (root without cgroups) the
+                audit hook refuses fork; plus `unshare --pid`: when the run ends, every process it started dies
+                with its PID namespace.
   network       `unshare --net`: an empty network namespace, no interfaces but a down loopback (kernel-enforced);
                 and an audit hook refusing socket connect/bind/sendto (in-process, Python-level only).
   files         the worker runs in a fresh temp dir; an audit hook refuses opening for write, renaming,
                 deleting... outside it (Python-level only); RLIMIT_FSIZE caps every file it writes, its captured
                 stdout/stderr included, so output cannot fill the disk.
-Output is cut to `max_output_bytes` per stream.
+Output is cut to `max_output_bytes` per stream: the head of stdout, the tail of stderr.
 """
 from __future__ import annotations
 
@@ -87,14 +88,17 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
                 "status_path": os.path.join(private, "status.json"),
                 "cgroup_procs": os.path.join(cgroup, "cgroup.procs") if cgroup else "",
                 "cpu_s": max(1, int(limits.cpu_s)), "memory_mb": limits.memory_mb, "max_procs": limits.max_procs,
-                "max_file_bytes": max(limits.max_file_bytes, limits.max_output_bytes)}
+                "max_file_bytes": max(limits.max_file_bytes, limits.max_output_bytes),
+                # Root ignores RLIMIT_NPROC: without a pids cgroup nothing in the kernel caps the process count,
+                # so the audit hook refuses fork altogether rather than trusting the wall-time kill alone.
+                "deny_fork": cgroup is None and os.getuid() == 0}
         with open(spec["code_path"], "w") as f:
             f.write(code)
         command = [sys.executable, "-I", _BOOT, json.dumps(spec)]
         if limits.isolate_network and _unshare_works():
             command = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--", *command]
             layers += ["netns", "pidns"]
-        layers += ["cgroup"] if cgroup else ["rlimit_nproc"] if os.getuid() != 0 else []
+        layers += ["cgroup"] if cgroup else ["rlimit_nproc"] if os.getuid() != 0 else ["no_fork"]
         return _run(command, spec, private, stdin, limits, cgroup, tuple(layers))
     finally:
         if cgroup:
@@ -121,17 +125,19 @@ def _run(command: list[str], spec: dict, private: str, stdin: str, limits: Sandb
     wall = time.monotonic() - start
     status = _read_json(spec["status_path"])
     stdout, cut_out = _read_capped(out_path, limits.max_output_bytes)
-    stderr, cut_err = _read_capped(err_path, limits.max_output_bytes)
+    stderr, cut_err = _read_capped(err_path, limits.max_output_bytes, tail=True)  # a traceback ends usefully
+    exc = _read_json(spec["status_path"] + ".exc") or {}
     hit_pids = bool(cgroup) and _pids_limit_hit(cgroup)
     exit_code = None if timed_out or status is None else status["exit_code"]
     cpu = status["cpu_s"] if status else 0.0
-    reason = _reason(timed_out, exit_code, cpu, stderr, hit_pids, spec["cpu_s"])
+    reason = _reason(timed_out, exit_code, cpu, exc, hit_pids, spec["cpu_s"])
     return SandboxResult(stdout=stdout, stderr=stderr, exit_code=exit_code, reason=reason, wall_s=wall, cpu_s=cpu,
                          truncated=cut_out or cut_err, layers=layers)
 
 
-def _reason(timed_out: bool, exit_code: int | None, cpu: float, stderr: str, hit_pids: bool,
+def _reason(timed_out: bool, exit_code: int | None, cpu: float, exc: dict, hit_pids: bool,
             cpu_limit: int) -> str | None:
+    """`exc`: {"type", "message"} of the worker's fatal exception, {} if it had none."""
     if exit_code == 0 and not timed_out:
         return None
     if timed_out:
@@ -140,12 +146,12 @@ def _reason(timed_out: bool, exit_code: int | None, cpu: float, stderr: str, hit
     # (rusage is tick-granular, hence the 10% slack).
     if exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and cpu >= 0.9 * cpu_limit):
         return REASON_CPU
-    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-    if last.startswith("MemoryError"):
+    kind = exc.get("type")
+    if kind == "MemoryError":
         return REASON_MEMORY
-    if hit_pids or last.startswith("BlockingIOError"):
+    if hit_pids or kind == "BlockingIOError":
         return REASON_PROCS
-    if last.startswith("PermissionError: sandbox:"):
+    if kind == "PermissionError" and str(exc.get("message", "")).startswith("sandbox:"):
         return REASON_DENIED
     return REASON_ERROR
 
@@ -159,10 +165,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _read_capped(path: str, cap: int) -> tuple[str, bool]:
+def _read_capped(path: str, cap: int, tail: bool = False) -> tuple[str, bool]:
+    """The first (or last) `cap` bytes of a file, and whether it held more."""
     with open(path, "rb") as f:
-        data = f.read(cap + 1)
-    return data[:cap].decode("utf-8", errors="replace"), len(data) > cap
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - cap) if tail else 0)
+        data = f.read(cap)
+    return data.decode("utf-8", errors="replace"), size > cap
 
 
 def _read_json(path: str) -> dict | None:

@@ -18,6 +18,7 @@ from fleetrl.envs.base import (
     register_env,
     score_answer,
 )
+from fleetrl.envs.sandbox import SandboxLimits
 from fleetrl.envs.tools import (
     CALL_FORMATS,
     TOOLS,
@@ -25,6 +26,7 @@ from fleetrl.envs.tools import (
     ToolCallError,
     ToolError,
     WordsFormat,
+    make_python_tool,
     validate_call,
 )
 from fleetrl.rewards.registry import resolve_scorer
@@ -36,10 +38,12 @@ class ToolEnv:
     CallFormat; `scorer`: how the final answer is scored (a scorer spec, see fleetrl.rewards.registry);
     `max_calls_per_turn`: calls past this in one turn are refused with an error observation;
     `valid_call_reward`: added for each turn whose calls all validate and succeed (0 = off), a shaping term that
-    helps a policy discover the tool before it can reach the answer."""
+    helps a policy discover the tool before it can reach the answer; `sandbox`: SandboxLimits fields for the
+    `python` tool (e.g. {"cpu_s": 2, "memory_mb": 256}), default fleetrl.envs.tools.PYTHON_LIMITS."""
 
     def __init__(self, tools: Sequence[str] = ("python", "calc"), call_format: str | CallFormat = "hermes",
-                 scorer: str = "exact_match", max_calls_per_turn: int = 4, valid_call_reward: float = 0.0) -> None:
+                 scorer: str = "exact_match", max_calls_per_turn: int = 4, valid_call_reward: float = 0.0,
+                 sandbox: dict | None = None) -> None:
         unknown = sorted(set(tools) - set(TOOLS))
         if unknown:
             raise EnvError(f"ToolEnv: unknown tools {unknown}; registered tools are {sorted(TOOLS)}")
@@ -49,6 +53,8 @@ class ToolEnv:
                                "or pass a CallFormat object")
             call_format = CALL_FORMATS[call_format]()
         self.tools = {name: TOOLS[name] for name in tools}
+        if sandbox is not None and "python" in self.tools:
+            self.tools["python"] = make_python_tool(SandboxLimits(**sandbox))
         self.format = call_format
         self.scorer = resolve_scorer(scorer)
         self.max_calls_per_turn = max_calls_per_turn

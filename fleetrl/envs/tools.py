@@ -180,17 +180,22 @@ _SANDBOX_SLOTS = threading.BoundedSemaphore(4)
 PYTHON_LIMITS = SandboxLimits(cpu_s=5, wall_s=10, memory_mb=512, max_procs=16, max_output_bytes=4096)
 
 
-def run_python_tool(args: dict[str, Any], sample: dict, limits: SandboxLimits = PYTHON_LIMITS) -> str:
-    with _SANDBOX_SLOTS:
-        result = run_python(args["code"], limits)
-    if not result.ok:
-        tail = "\n".join(result.stderr.strip().splitlines()[-3:])
-        raise ToolError(f"python: {result.reason}: {tail}".rstrip(": "), result.reason or "error")
-    return result.stdout + ("\n[output truncated]" if result.truncated else "")
+def make_python_tool(limits: SandboxLimits = PYTHON_LIMITS) -> Tool:
+    """The `python` tool with the given sandbox limits: runs `code`, returns its stdout; a run that fails (an
+    exception, a limit, a refused operation) raises ToolError whose reason is the sandbox's REASON_*."""
+
+    def run(args: dict[str, Any], sample: dict) -> str:
+        with _SANDBOX_SLOTS:
+            result = run_python(args["code"], limits)
+        if not result.ok:
+            tail = "\n".join(result.stderr.strip().splitlines()[-3:])
+            raise ToolError(f"python: {result.reason}" + (f": {tail}" if tail else ""), result.reason or "error")
+        return result.stdout + ("\n[output truncated]" if result.truncated else "")
+
+    return Tool("python", "Runs a Python script in a sandbox and returns its stdout.", {"code": str}, run)
 
 
-register_tool(Tool("python", "Runs a Python script in a sandbox and returns its stdout.", {"code": str},
-                   run_python_tool))
+register_tool(make_python_tool())
 
 
 def lookup(args: dict[str, Any], sample: dict) -> str:
