@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from fleetrl.algo.losses import kl_loss, ppo_policy_loss
 from fleetrl.engines.hf import HFRolloutEngine
 from fleetrl.engines.protocol import FINISH_STOP, GenerationOutput, SamplingParams
 from fleetrl.envs.base import StepResult, env_factory
@@ -60,14 +61,19 @@ def tokenizer():
     return load_tokenizer("tiny:")
 
 
-def test_lookup_episode_masks_by_hand(tokenizer):
+def lookup_episodes(tokenizer):
     # Row 0 calls the tool ("? q"), reads "7", answers "7"; row 1 answers "3" at once and is not sent again.
     prompts, mask = prompts_for(tokenizer, ["? q =", "? b ="])
-    assert prompts[0].tolist() == [USER, COLON, Q_MARK, Q_, EQ, ASSISTANT, COLON]
     engine = ScriptedEngine([[[Q_MARK, Q_, EOS], [digit(3), EOS]], [[digit(7), EOS]]])
     samples = [lookup_sample("q", {"q": "7", "b": "1"}, "7"), lookup_sample("b", {"b": "3"}, "3")]
     out = run_multiturn(engine, tokenizer, env_factory("lookup"), prompts, mask, samples,
                         SamplingParams(max_new_tokens=8), MultiTurnConfig(max_turns=3, max_total_tokens=64))
+    return out, engine, prompts
+
+
+def test_lookup_episode_masks_by_hand(tokenizer):
+    out, engine, prompts = lookup_episodes(tokenizer)
+    assert prompts[0].tolist() == [USER, COLON, Q_MARK, Q_, EQ, ASSISTANT, COLON]
     # Observation " tool : 7 assistant :" -> <unk> : 7 assistant :
     obs = [UNK, COLON, digit(7), ASSISTANT, COLON]
     row0 = [Q_MARK, Q_, EOS, *obs, digit(7), EOS]
@@ -193,3 +199,21 @@ def test_tiny_model_logprobs_match_trainer_recompute_with_env_context(tokenizer)
         assert ep.env_tokens == 10  # two observations of 5 tokens
         assert ep.model_tokens == int(out.loss_mask[b].sum())
         assert ep.env_tokens == int(out.attention_mask[b].sum() - out.loss_mask[b].sum())
+
+
+def test_env_tokens_have_zero_weight_in_policy_and_kl_losses(tokenizer):
+    out, _, _ = lookup_episodes(tokenizer)
+    old = out.logprobs
+    logp, ref, adv = old + 0.1, old - 0.05, torch.ones_like(old)
+    env = out.attention_mask.bool() & ~out.loss_mask.bool()  # row 0, positions 3..7
+
+    def losses(mask, logp, old, ref, adv):
+        policy, _ = ppo_policy_loss(logp, old, adv, mask.float())
+        kl, _ = kl_loss(logp, ref, mask.float())
+        return policy.item(), kl.item()
+
+    base = losses(out.loss_mask, logp, old, ref, adv)
+    # Garbage at environment positions: any weight there would move both losses.
+    bumped = [t.masked_fill(env, v) for t, v in ((logp, 5.0), (old, -3.0), (ref, 7.0), (adv, -9.0))]
+    assert losses(out.loss_mask, *bumped) == base
+    assert losses(out.attention_mask, *bumped) != losses(out.attention_mask, logp, old, ref, adv)
