@@ -59,10 +59,7 @@ def next_task(n: int = 512, split: str = "train", seed: int = 0, noise: int = 2)
     return _digit_rows("next", n=n, split=split, seed=seed, noise=noise)
 
 
-_WORDS = ("time year people way day man thing woman life child world school state family student group country "
-          "problem hand part place case week company system program question work government number night point "
-          "home water room mother area money story fact month lot right study book eye job word business issue "
-          "side kind head house service friend father power hour game line end member law car city community name").split()
+_WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name"]
 
 
 @register_synthetic("lorem")
@@ -77,7 +74,7 @@ def lorem_task(n: int = 512, words: int = 120, seed: int = 0, split: str = "trai
 
 
 @register_synthetic("lookup")
-def lookup_task(n: int = 512, keys: int = 4, split: str = "train", seed: int = 0) -> list[dict]:
+def lookup_task(n: int = 512, keys: int = 26, split: str = "train", seed: int = 0) -> list[dict]:
     """`? q =` -> `7`, where 7 is the value stored under key `q` in this row's own random table
     (`extra_info.lookup`, `keys` letters -> digits). The value appears nowhere in the prompt, so only the
     `lookup` environment (fleetrl.envs.tool_env.lookup_env) can supply it: the model calls `? q`, reads the

@@ -6,6 +6,7 @@ anything else all count as tool errors, and the episode goes on.
 """
 from __future__ import annotations
 
+import string
 import time
 from collections.abc import Sequence
 
@@ -108,6 +109,9 @@ def lookup_env(valid_call_reward: float = 0.0) -> ToolEnv:
     """The synthetic lookup task's environment (synthetic:lookup): `? KEY` calls the episode's lookup table.
 
     The tiny word-level tokenizer cannot spell Hermes JSON, so the call is written in the `words` format; the
-    call still goes through the same validation as a Hermes call."""
-    return ToolEnv(tools=("lookup",), call_format=WordsFormat("?", "lookup", ("key",)),
-                   scorer="exact_match", valid_call_reward=valid_call_reward)
+    call still goes through the same validation as a Hermes call. Keys are single letters, so the 26 calls
+    "? a" ... "? z" are the stop strings: a turn ends as soon as a call is complete. The answer is scored with
+    prefix_match (the digit first, then anything after a space), as the tiny model rarely stops right after it."""
+    stops = tuple(f"? {c}" for c in string.ascii_lowercase)
+    return ToolEnv(tools=("lookup",), call_format=WordsFormat("?", "lookup", ("key",), stop_strings=stops),
+                   scorer="prefix_match", valid_call_reward=valid_call_reward)

@@ -85,12 +85,14 @@ class HermesFormat:
 class WordsFormat:
     """`TRIGGER ARG1 ARG2 ...` as the whole turn calls `tool` with `arg_names` bound in order; a turn without the
     trigger word is a final answer. Strict: the trigger must come first and only once, with exactly one word
-    per argument. Turns end at EOS, so there are no stop strings. Values are strings (words)."""
+    per argument. Values are strings (words). A turn ends at EOS, or at one of `stop_strings`: listing every
+    complete call (e.g. "? a" ... "? z") ends the turn right after the call, so the model need not learn to
+    emit EOS after it (a longer word starting the same way, "? add", also stops there and then fails
+    validation)."""
 
-    stop_strings: tuple[str, ...] = ()
-
-    def __init__(self, trigger: str, tool: str, arg_names: tuple[str, ...]) -> None:
+    def __init__(self, trigger: str, tool: str, arg_names: tuple[str, ...], stop_strings: tuple[str, ...] = ()) -> None:
         self.trigger, self.tool, self.arg_names = trigger, tool, tuple(arg_names)
+        self.stop_strings = tuple(stop_strings)
 
     def parse(self, text: str) -> list[ToolCall]:
         words = text.split()

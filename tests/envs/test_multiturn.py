@@ -89,6 +89,8 @@ def test_lookup_episode_masks_by_hand(tokenizer):
     assert out.logprobs[1].tolist() == [-0.25] * 2 + [0.0] * 8
     assert out.rewards.tolist() == [1.0, 1.0]
     assert out.finish_reasons == ["done", "done"]
+    # The lookup env's call stop strings ("? a" .. "? z") reach the engine.
+    assert {"? a", "? q", "? z"} <= set(engine.calls[0][2].stop_strings)
     # The second generate call saw only row 0, with its whole trajectory as the prompt (7 + 8 tokens).
     second_prompts, second_mask, _ = engine.calls[1]
     assert second_prompts.tolist() == [prompts[0].tolist() + row0[:8]]
