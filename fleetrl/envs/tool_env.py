@@ -38,9 +38,10 @@ class ToolEnv:
     """`tools`: registered tool names (fleetrl.envs.tools.TOOLS); `call_format`: a CALL_FORMATS name or a
     CallFormat; `scorer`: how the final answer is scored (a scorer spec, see fleetrl.rewards.registry);
     `max_calls_per_turn`: calls past this in one turn are refused with an error observation;
-    `valid_call_reward`: added for each turn whose calls all validate and succeed (0 = off), a shaping term that
-    helps a policy discover the tool before it can reach the answer; `sandbox`: SandboxLimits fields for the
-    `python` tool (e.g. {"cpu_s": 2, "memory_mb": 256}), default fleetrl.envs.tools.PYTHON_LIMITS."""
+    `valid_call_reward`: added once per episode, for the first turn whose calls all validate and succeed
+    (0 = off), a shaping term that helps a policy discover the tool before it can reach the answer;
+    `sandbox`: SandboxLimits fields for the `python` tool (e.g. {"cpu_s": 2, "memory_mb": 256}), default
+    fleetrl.envs.tools.PYTHON_LIMITS."""
 
     def __init__(self, tools: Sequence[str] = ("python", "calc"), call_format: str | CallFormat = "hermes",
                  scorer: str = "exact_match", max_calls_per_turn: int = 4, valid_call_reward: float = 0.0,
@@ -61,6 +62,7 @@ class ToolEnv:
         self.max_calls_per_turn = max_calls_per_turn
         self.valid_call_reward = valid_call_reward
         self.sample: dict | None = None
+        self._bonus_paid = False
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -68,6 +70,7 @@ class ToolEnv:
 
     def reset(self, sample: dict) -> None:
         self.sample = sample
+        self._bonus_paid = False
 
     def step(self, action: str) -> StepResult:
         assert self.sample is not None, "step before reset"
@@ -88,7 +91,10 @@ class ToolEnv:
                 errors, reasons = errors + 1, reasons + [reason]
         info = {INFO_TOOL_CALLS: len(calls), INFO_TOOL_ERRORS: errors, INFO_TOOL_TIME: time.monotonic() - start,
                 "error_reasons": reasons}
-        return StepResult("\n".join(texts), 0.0 if errors else self.valid_call_reward, False, info)
+        # Paid once per episode: paid per call, calling again instead of answering would be the best policy.
+        bonus = 0.0 if errors or self._bonus_paid else self.valid_call_reward
+        self._bonus_paid = self._bonus_paid or not errors
+        return StepResult("\n".join(texts), bonus, False, info)
 
     def _run(self, call) -> tuple[str, str | None]:
         """(observation text, error reason or None)."""

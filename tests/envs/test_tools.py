@@ -103,6 +103,7 @@ def test_lookup_env_reads_the_episode_table_and_rewards_valid_calls():
     env.reset({"ground_truth": "7", "extra_info": {"lookup": {"q": "7", "b": "2"}}})
     call = env.step("? q")
     assert (call.observation, call.reward, call.done) == ("7", 0.25, False)
+    assert env.step("? b").reward == 0.0  # the bonus is paid once per episode
     missing = env.step("? z")
     assert (missing.observation, missing.reward, missing.info["error_reasons"]) == ("tool error: lookup: no key 'z'",
                                                                                      0.0, ["missing"])
