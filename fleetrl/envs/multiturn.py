@@ -116,6 +116,14 @@ class ObservationRenderer:
         self._before = before
         self._closing = before[before.rindex(_SENTINEL) + len(_SENTINEL):]
         self._special = set(tokenizer.all_special_ids)
+        try:  # fail before the first generate call if the template cannot render this role at all
+            self.tokens("probe", None)
+        except EnvError:
+            raise
+        except Exception as exc:  # jinja raises anything; the message below says what to change
+            raise EnvError(f"multi-turn rollout: the chat template cannot render a {role!r} message after an "
+                           f"assistant message ({type(exc).__name__}: {exc}); set the observation role "
+                           "(MultiTurnConfig.observation_role) to one the template accepts, e.g. 'user'") from exc
 
     def tokens(self, observation: str, last_model_token: int | None) -> list[int]:
         after = self._render(self._base + [{"role": self.role, "content": observation}], generation_prompt=True)

@@ -12,7 +12,7 @@ import torch
 from fleetrl.algo.losses import kl_loss, ppo_policy_loss
 from fleetrl.engines.hf import HFRolloutEngine
 from fleetrl.engines.protocol import FINISH_STOP, GenerationOutput, SamplingParams
-from fleetrl.envs.base import StepResult, env_factory
+from fleetrl.envs.base import EnvError, StepResult, env_factory
 from fleetrl.envs.multiturn import MultiTurnConfig, ObservationRenderer, run_multiturn
 from fleetrl.models.hf import load_causal_lm, load_tokenizer
 from fleetrl.models.logprobs import sequence_logprobs
@@ -219,3 +219,11 @@ def test_env_tokens_have_zero_weight_in_policy_and_kl_losses(tokenizer):
     bumped = [t.masked_fill(env, v) for t, v in ((logp, 5.0), (old, -3.0), (ref, 7.0), (adv, -9.0))]
     assert losses(out.loss_mask, *bumped) == base
     assert losses(out.attention_mask, *bumped) != losses(out.attention_mask, logp, old, ref, adv)
+
+
+def test_a_template_that_cannot_render_the_role_fails_up_front():
+    tokenizer = load_tokenizer("tiny:")
+    tokenizer.chat_template = ("{%- for m in messages -%}{%- if m['role'] == 'tool' -%}{{ raise_exception('no tools') }}"
+                               "{%- endif -%}{{ m['content'] }} {% endfor -%}")
+    with pytest.raises(EnvError, match="cannot render a 'tool' message .*no tools.*observation_role"):
+        ObservationRenderer(tokenizer)
