@@ -96,7 +96,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
             f.write(code)
         command = [sys.executable, "-I", _BOOT, json.dumps(spec)]
         if limits.isolate_network and _unshare_works():
-            command = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--", *command]
+            command = [*_unshare_args(), *command]
             layers += ["netns", "pidns"]
         layers += ["cgroup"] if cgroup else ["rlimit_nproc"] if os.getuid() != 0 else ["no_fork"]
         return _run(command, spec, private, stdin, limits, cgroup, tuple(layers))
@@ -182,20 +182,29 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-_UNSHARE_OK: bool | None = None
+_UNSHARE: list[list[str]] = []  # cached: [] = not probed yet, [[]] = unavailable, [args] = works
+
+
+def _unshare_args() -> list[str]:
+    """The `unshare` prefix that works here: plain namespaces as root, or inside a new user namespace
+    (`--user --map-root-user`) where unprivileged user namespaces are allowed; [] when neither does."""
+    if not _UNSHARE:
+        found: list[str] = []
+        if shutil.which("unshare"):
+            for extra in ([], ["--user", "--map-root-user"]):
+                args = ["unshare", *extra, "--net", "--pid", "--fork", "--kill-child", "--"]
+                try:
+                    if subprocess.run([*args, "true"], check=False, capture_output=True, timeout=10).returncode == 0:
+                        found = args
+                        break
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+        _UNSHARE.append(found)
+    return _UNSHARE[0]
 
 
 def _unshare_works() -> bool:
-    """Whether `unshare --net --pid` can run here (needs util-linux and root or user namespaces); cached."""
-    global _UNSHARE_OK
-    if _UNSHARE_OK is None:
-        try:
-            _UNSHARE_OK = shutil.which("unshare") is not None and subprocess.run(
-                ["unshare", "--net", "--pid", "--fork", "--", "true"], check=False, capture_output=True,
-                timeout=10).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            _UNSHARE_OK = False
-    return _UNSHARE_OK
+    return bool(_unshare_args())
 
 
 def _make_cgroup(max_procs: int) -> str | None:
