@@ -57,7 +57,7 @@ def _worker(spec):
     fsize = spec["max_file_bytes"]
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if os.getuid() != 0:  # root ignores RLIMIT_NPROC; the pids cgroup covers that case
+    if spec["set_nproc"]:  # decided by the parent: inside a user namespace getuid() is 0 even for a plain user
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_procs"], spec["max_procs"]))
     root = os.path.realpath(spec["workdir"])
     os.chdir(root)

@@ -91,7 +91,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
                 "max_file_bytes": max(limits.max_file_bytes, limits.max_output_bytes),
                 # Root ignores RLIMIT_NPROC: without a pids cgroup nothing in the kernel caps the process count,
                 # so the audit hook refuses fork altogether rather than trusting the wall-time kill alone.
-                "deny_fork": cgroup is None and os.getuid() == 0}
+                "deny_fork": cgroup is None and os.getuid() == 0,
+                "set_nproc": cgroup is None and os.getuid() != 0}
         with open(spec["code_path"], "w") as f:
             f.write(code)
         command = [sys.executable, "-I", _BOOT, json.dumps(spec)]
