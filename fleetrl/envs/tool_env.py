@@ -38,8 +38,8 @@ class ToolEnv:
     """`tools`: registered tool names (fleetrl.envs.tools.TOOLS); `call_format`: a CALL_FORMATS name or a
     CallFormat; `scorer`: how the final answer is scored (a scorer spec, see fleetrl.rewards.registry);
     `max_calls_per_turn`: calls past this in one turn are refused with an error observation;
-    `valid_call_reward`: added once per episode, for the first turn whose calls all validate and succeed
-    (0 = off), a shaping term that helps a policy discover the tool before it can reach the answer;
+    `valid_call_reward`: added to the final answer's score when the episode made a successful call before it
+    (0 = off), a shaping term that helps a policy discover "call, then answer" before it gets answers right;
     `sandbox`: SandboxLimits fields for the `python` tool (e.g. {"cpu_s": 2, "memory_mb": 256}), default
     fleetrl.envs.tools.PYTHON_LIMITS."""
 
@@ -62,7 +62,7 @@ class ToolEnv:
         self.max_calls_per_turn = max_calls_per_turn
         self.valid_call_reward = valid_call_reward
         self.sample: dict | None = None
-        self._bonus_paid = False
+        self._called_ok = False
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -70,7 +70,7 @@ class ToolEnv:
 
     def reset(self, sample: dict) -> None:
         self.sample = sample
-        self._bonus_paid = False
+        self._called_ok = False
 
     def step(self, action: str) -> StepResult:
         assert self.sample is not None, "step before reset"
@@ -79,7 +79,10 @@ class ToolEnv:
         except ToolCallError as exc:
             return StepResult(str(exc), 0.0, False, {INFO_TOOL_CALLS: 1, INFO_TOOL_ERRORS: 1, "malformed": 1})
         if not calls:
-            return StepResult(None, score_answer(self.scorer, action, self.sample), True, {})
+            # The shaping bonus is paid with the answer, never for a call alone: paid per call (tried first),
+            # calling again instead of answering became the policy's best move.
+            bonus = self.valid_call_reward if self._called_ok else 0.0
+            return StepResult(None, score_answer(self.scorer, action, self.sample) + bonus, True, {})
         if len(calls) > self.max_calls_per_turn:
             return StepResult(f"tool call error: {len(calls)} calls in one turn; at most {self.max_calls_per_turn}",
                               0.0, False, {INFO_TOOL_CALLS: len(calls), INFO_TOOL_ERRORS: len(calls)})
@@ -91,10 +94,8 @@ class ToolEnv:
                 errors, reasons = errors + 1, reasons + [reason]
         info = {INFO_TOOL_CALLS: len(calls), INFO_TOOL_ERRORS: errors, INFO_TOOL_TIME: time.monotonic() - start,
                 "error_reasons": reasons}
-        # Paid once per episode: paid per call, calling again instead of answering would be the best policy.
-        bonus = 0.0 if errors or self._bonus_paid else self.valid_call_reward
-        self._bonus_paid = self._bonus_paid or not errors
-        return StepResult("\n".join(texts), bonus, False, info)
+        self._called_ok = self._called_ok or not errors
+        return StepResult("\n".join(texts), 0.0, False, info)
 
     def _run(self, call) -> tuple[str, str | None]:
         """(observation text, error reason or None)."""

@@ -101,10 +101,12 @@ def test_too_many_calls_in_one_turn_are_refused():
 def test_lookup_env_reads_the_episode_table_and_rewards_valid_calls():
     env = lookup_env(valid_call_reward=0.25)
     env.reset({"ground_truth": "7", "extra_info": {"lookup": {"q": "7", "b": "2"}}})
-    call = env.step("? q")
-    assert (call.observation, call.reward, call.done) == ("7", 0.25, False)
-    assert env.step("? b").reward == 0.0  # the bonus is paid once per episode
     missing = env.step("? z")
     assert (missing.observation, missing.reward, missing.info["error_reasons"]) == ("tool error: lookup: no key 'z'",
                                                                                      0.0, ["missing"])
-    assert env.step("7").reward == 1.0
+    call = env.step("? q")
+    assert (call.observation, call.reward, call.done) == ("7", 0.0, False)  # no bonus for a call alone
+    assert env.step("7 b").reward == 1.25  # prefix_match 1.0 + the bonus for having called successfully
+    guess = lookup_env(valid_call_reward=0.25)
+    guess.reset({"ground_truth": "7", "extra_info": {"lookup": {"q": "7"}}})
+    assert guess.step("? z").reward == 0.0 and guess.step("7").reward == 1.0  # a failed call earns no bonus
