@@ -40,12 +40,14 @@ class ToolEnv:
     `max_calls_per_turn`: calls past this in one turn are refused with an error observation;
     `valid_call_reward`: added to the final answer's score when the episode made a successful call before it
     (0 = off), a shaping term that helps a policy discover "call, then answer" before it gets answers right;
+    `retrieval_reward`: likewise, when some successful tool result contained the ground truth as a word (the
+    tool handed the model its answer), which rewards calling the tool with the right arguments;
     `sandbox`: SandboxLimits fields for the `python` tool (e.g. {"cpu_s": 2, "memory_mb": 256}), default
     fleetrl.envs.tools.PYTHON_LIMITS."""
 
     def __init__(self, tools: Sequence[str] = ("python", "calc"), call_format: str | CallFormat = "hermes",
                  scorer: str = "exact_match", max_calls_per_turn: int = 4, valid_call_reward: float = 0.0,
-                 sandbox: dict | None = None) -> None:
+                 retrieval_reward: float = 0.0, sandbox: dict | None = None) -> None:
         unknown = sorted(set(tools) - set(TOOLS))
         if unknown:
             raise EnvError(f"ToolEnv: unknown tools {unknown}; registered tools are {sorted(TOOLS)}")
@@ -60,9 +62,9 @@ class ToolEnv:
         self.format = call_format
         self.scorer = resolve_scorer(scorer)
         self.max_calls_per_turn = max_calls_per_turn
-        self.valid_call_reward = valid_call_reward
+        self.valid_call_reward, self.retrieval_reward = valid_call_reward, retrieval_reward
         self.sample: dict | None = None
-        self._called_ok = False
+        self._called_ok = self._retrieved = False
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -70,7 +72,7 @@ class ToolEnv:
 
     def reset(self, sample: dict) -> None:
         self.sample = sample
-        self._called_ok = False
+        self._called_ok = self._retrieved = False
 
     def step(self, action: str) -> StepResult:
         assert self.sample is not None, "step before reset"
@@ -81,7 +83,7 @@ class ToolEnv:
         if not calls:
             # The shaping bonus is paid with the answer, never for a call alone: paid per call (tried first),
             # calling again instead of answering became the policy's best move.
-            bonus = self.valid_call_reward if self._called_ok else 0.0
+            bonus = self.valid_call_reward * self._called_ok + self.retrieval_reward * self._retrieved
             return StepResult(None, score_answer(self.scorer, action, self.sample) + bonus, True, {})
         if len(calls) > self.max_calls_per_turn:
             return StepResult(f"tool call error: {len(calls)} calls in one turn; at most {self.max_calls_per_turn}",
@@ -92,6 +94,8 @@ class ToolEnv:
             texts.append(text)
             if reason is not None:
                 errors, reasons = errors + 1, reasons + [reason]
+            else:
+                self._retrieved = self._retrieved or str(self.sample.get("ground_truth")).strip() in text.split()
         info = {INFO_TOOL_CALLS: len(calls), INFO_TOOL_ERRORS: errors, INFO_TOOL_TIME: time.monotonic() - start,
                 "error_reasons": reasons}
         self._called_ok = self._called_ok or not errors
@@ -112,7 +116,7 @@ class ToolEnv:
 
 
 @register_env("lookup")
-def lookup_env(valid_call_reward: float = 0.0) -> ToolEnv:
+def lookup_env(valid_call_reward: float = 0.0, retrieval_reward: float = 0.0) -> ToolEnv:
     """The synthetic lookup task's environment (synthetic:lookup): `? KEY` calls the episode's lookup table.
 
     The tiny word-level tokenizer cannot spell Hermes JSON, so the call is written in the `words` format; the
@@ -121,4 +125,4 @@ def lookup_env(valid_call_reward: float = 0.0) -> ToolEnv:
     prefix_match (the digit first, then anything after a space), as the tiny model rarely stops right after it."""
     stops = tuple(f"? {c}" for c in string.ascii_lowercase)
     return ToolEnv(tools=("lookup",), call_format=WordsFormat("?", "lookup", ("key",), stop_strings=stops),
-                   scorer="prefix_match", valid_call_reward=valid_call_reward)
+                   scorer="prefix_match", valid_call_reward=valid_call_reward, retrieval_reward=retrieval_reward)

@@ -110,3 +110,15 @@ def test_lookup_env_reads_the_episode_table_and_rewards_valid_calls():
     guess = lookup_env(valid_call_reward=0.25)
     guess.reset({"ground_truth": "7", "extra_info": {"lookup": {"q": "7"}}})
     assert guess.step("? z").reward == 0.0 and guess.step("7").reward == 1.0  # a failed call earns no bonus
+
+
+def test_retrieval_reward_needs_a_tool_result_holding_the_answer():
+    table = {"q": "7", "b": "2"}
+    right = lookup_env(retrieval_reward=0.5)
+    right.reset({"ground_truth": "7", "extra_info": {"lookup": table}})
+    right.step("? q")  # returns "7", the ground truth
+    assert right.step("3").reward == 0.5  # wrong answer (0) + retrieval bonus
+    wrong_key = lookup_env(retrieval_reward=0.5)
+    wrong_key.reset({"ground_truth": "7", "extra_info": {"lookup": table}})
+    wrong_key.step("? b")  # returns "2"
+    assert wrong_key.step("7").reward == 1.0  # right answer (1) without the bonus
