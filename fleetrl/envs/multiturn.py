@@ -147,7 +147,7 @@ class ObservationRenderer:
 @dataclass
 class _Episode:
     prompt: list[int]
-    env: Env
+    env: Env | None = None  # None until made and reset, or when that failed
     tokens: list[int] = field(default_factory=list)
     loss: list[int] = field(default_factory=list)
     logp: list[float] = field(default_factory=list)
@@ -175,11 +175,10 @@ def run_multiturn(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, mak
         raise ValueError(f"run_multiturn: {prompts.shape[0]} prompts but {len(samples)} samples; pass one sample "
                          "dict (data_source, ground_truth, extra_info, ...) per prompt row")
     caller = EnvCaller(config.env_timeout_s)
-    episodes = [_Episode(prompts[b][prompt_mask[b].bool()].tolist(), make_env(samples[b]))
-                for b in range(len(samples))]
-    stops = tuple(dict.fromkeys([*params.stop_strings, *(s for ep in episodes
+    episodes = [_Episode(prompts[b][prompt_mask[b].bool()].tolist()) for b in range(len(samples))]
+    _start(caller, make_env, episodes, samples)
+    stops = tuple(dict.fromkeys([*params.stop_strings, *(s for ep in episodes if ep.env is not None
                                                          for s in getattr(ep.env, "stop_strings", ()))]))
-    _reset(caller, episodes, samples)
     renderer = ObservationRenderer(tokenizer, config.observation_role)
     per_turn = config.max_tokens_per_turn or params.max_new_tokens
     for turn in range(config.max_turns):
@@ -206,16 +205,25 @@ def run_multiturn(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, mak
     return _collate(episodes, tokenizer.pad_token_id)
 
 
-def _reset(caller: EnvCaller, episodes: list[_Episode], samples: Sequence[dict]) -> None:
-    outcomes = caller.call_all([partial(ep.env.reset, sample) for ep, sample in zip(episodes, samples)])
+def _make_and_reset(make_env: Callable[[dict], Env], sample: dict) -> tuple[Env, object]:
+    env = make_env(sample)
+    return env, env.reset(sample)
+
+
+def _start(caller: EnvCaller, make_env: Callable[[dict], Env], episodes: list[_Episode],
+           samples: Sequence[dict]) -> None:
+    """Builds and resets every episode's environment under the deadline (both run user code)."""
+    outcomes = caller.call_all([partial(_make_and_reset, make_env, sample) for sample in samples])
     for ep, outcome in zip(episodes, outcomes):
         if outcome.error is not None:
             ep.finish = FINISH_TIMEOUT if outcome.timed_out else FINISH_ENV_ERROR
             ep.metrics.timeouts += int(outcome.timed_out)
             ep.metrics.env_errors += int(not outcome.timed_out)
-        elif outcome.value:
+            continue
+        ep.env, observation = outcome.value
+        if observation:
             raise EnvError(f"run_multiturn: {type(ep.env).__name__}.reset returned an initial observation "
-                           f"({str(outcome.value)[:60]!r}); prompts are rendered by the data layer before the "
+                           f"({str(observation)[:60]!r}); prompts are rendered by the data layer before the "
                            "environment exists, so put that text into the dataset prompt and return None")
 
 

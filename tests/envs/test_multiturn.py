@@ -227,3 +227,31 @@ def test_a_template_that_cannot_render_the_role_fails_up_front():
                                "{%- endif -%}{{ m['content'] }} {% endfor -%}")
     with pytest.raises(EnvError, match="cannot render a 'tool' message .*no tools.*observation_role"):
         ObservationRenderer(tokenizer)
+
+
+def test_a_failing_factory_or_reset_ends_only_that_episode(tokenizer):
+    prompts, mask = prompts_for(tokenizer, ["? q =", "? q ="])
+    samples = [dict(lookup_sample("q", {"q": "7"}, "7"), which=i) for i in range(2)]
+
+    def make(sample):
+        if sample["which"] == 1:
+            raise ValueError("no env for you")
+        return env_factory("lookup")(sample)
+
+    engine = ScriptedEngine([[[digit(7), EOS]]])  # only row 0 is generated for
+    out = run_multiturn(engine, tokenizer, make, prompts, mask, samples, SamplingParams(max_new_tokens=4))
+    assert out.finish_reasons == ["done", "env_error"] and out.rewards.tolist() == [1.0, 0.0]
+    assert out.episodes[1].env_errors == 1 and out.attention_mask[1].sum() == 0
+    assert engine.calls[0][0].shape[0] == 1
+
+
+class Talkative(RaisingEnv):
+    def reset(self, sample):
+        return "hello"
+
+
+def test_reset_text_is_rejected_with_a_fix(tokenizer):
+    prompts, mask = prompts_for(tokenizer, ["? q ="])
+    with pytest.raises(EnvError, match="Talkative.reset returned an initial observation .*put that text into"):
+        run_multiturn(ScriptedEngine([]), tokenizer, lambda s: Talkative(), prompts, mask, [{}],
+                      SamplingParams(max_new_tokens=4))
