@@ -59,7 +59,10 @@ def next_task(n: int = 512, split: str = "train", seed: int = 0, noise: int = 2)
     return _digit_rows("next", n=n, split=split, seed=seed, noise=noise)
 
 
-_WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name"]
+_WORDS = ("time year people way day man thing woman life child world school state family student group country "
+          "problem hand part place case week company system program question work government number night point "
+          "home water room mother area money story fact month lot right study book eye job word business issue "
+          "side kind head house service friend father power hour game line end member law car city community name").split()
 
 
 @register_synthetic("lorem")
