@@ -98,6 +98,6 @@ def lookup_task(n: int = 512, keys: int = 26, split: str = "train", seed: int = 
             "prompt": [{"role": "user", "content": f"? {key} ="}],
             "ability": "tools",
             "reward_model": {"ground_truth": table[key], "style": "rule"},
-            "extra_info": {"index": len(rows), "split": split, "lookup": table},
+            "extra_info": {"index": len(rows), "split": split, "lookup": table, "key": key},
         })
     return rows

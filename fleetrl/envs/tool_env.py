@@ -116,13 +116,18 @@ class ToolEnv:
 
 
 @register_env("lookup")
-def lookup_env(valid_call_reward: float = 0.0, retrieval_reward: float = 0.0) -> ToolEnv:
-    """The synthetic lookup task's environment (synthetic:lookup): `? KEY` calls the episode's lookup table.
+def lookup_env(valid_call_reward: float = 0.0, retrieval_reward: float = 0.0, with_key: bool = True) -> ToolEnv:
+    """The synthetic lookup task's environment (synthetic:lookup).
 
-    The tiny word-level tokenizer cannot spell Hermes JSON, so the call is written in the `words` format; the
-    call still goes through the same validation as a Hermes call. Keys are single letters, so the 26 calls
-    "? a" ... "? z" are the stop strings: a turn ends as soon as a call is complete. The answer is scored with
-    prefix_match (the digit first, then anything after a space), as the tiny model rarely stops right after it."""
-    stops = tuple(f"? {c}" for c in string.ascii_lowercase)
-    return ToolEnv(tools=("lookup",), call_format=WordsFormat("?", "lookup", ("key",), stop_strings=stops),
-                   scorer="prefix_match", valid_call_reward=valid_call_reward, retrieval_reward=retrieval_reward)
+    with_key=True: `? KEY` calls the episode's table with that key. with_key=False: a bare `?` calls
+    `lookup_asked`, which looks up the key the prompt asks about (easier: nothing to copy into the call).
+    The tiny word-level tokenizer cannot spell Hermes JSON, so the call is written in the `words` format; it
+    still goes through the same validation as a Hermes call. The complete calls ("? a" ... "? z", or "?") are
+    the stop strings: a turn ends as soon as a call is complete. The answer is scored with prefix_match (the
+    digit first, then anything after a space), as the tiny model rarely stops right after it."""
+    if with_key:
+        calls = WordsFormat("?", "lookup", ("key",), stop_strings=tuple(f"? {c}" for c in string.ascii_lowercase))
+    else:
+        calls = WordsFormat("?", "lookup_asked", (), stop_strings=("?",))
+    return ToolEnv(tools=(calls.tool,), call_format=calls, scorer="prefix_match",
+                   valid_call_reward=valid_call_reward, retrieval_reward=retrieval_reward)

@@ -210,3 +210,15 @@ def lookup(args: dict[str, Any], sample: dict) -> str:
 
 
 register_tool(Tool("lookup", "Returns the value stored under a key.", {"key": str}, lookup))
+
+
+def lookup_asked(args: dict[str, Any], sample: dict) -> str:
+    """The value of the key the prompt asks about (`extra_info["key"]`): `lookup` without the argument, for a
+    policy that has to learn to call and to read the result but not to copy the key into the call."""
+    info = sample.get("extra_info") or {}
+    if "key" not in info:
+        raise ToolError("lookup_asked: the sample has no extra_info.key", "missing")
+    return lookup({"key": info["key"]}, sample)
+
+
+register_tool(Tool("lookup_asked", "Returns the value of the key the question asks about.", {}, lookup_asked))

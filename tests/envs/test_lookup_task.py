@@ -12,7 +12,7 @@ def test_lookup_rows_need_the_tool_and_fit_the_tiny_vocabulary():
     for row in rows + val:
         key = row["prompt"][0]["content"].split()[1]
         table = row["extra_info"]["lookup"]
-        assert len(table) == 4 and row["reward_model"]["ground_truth"] == table[key]
+        assert len(table) == 4 and row["reward_model"]["ground_truth"] == table[key] == table[row["extra_info"]["key"]]
         assert table[key] not in row["prompt"][0]["content"]  # the value is only in the tool's table
         text = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
         assert tokenizer.unk_token_id not in tokenizer.encode(text, add_special_tokens=False)

@@ -122,3 +122,13 @@ def test_retrieval_reward_needs_a_tool_result_holding_the_answer():
     wrong_key.reset({"ground_truth": "7", "extra_info": {"lookup": table}})
     wrong_key.step("? b")  # returns "2"
     assert wrong_key.step("7").reward == 1.0  # right answer (1) without the bonus
+
+
+def test_lookup_without_key_looks_up_the_asked_key():
+    env = lookup_env(valid_call_reward=0.25, with_key=False)
+    assert env.stop_strings == ("?",)
+    env.reset({"ground_truth": "7", "extra_info": {"lookup": {"q": "7", "b": "2"}, "key": "q"}})
+    with pytest.raises(ToolCallError, match="expected '\\?', got '\\? q'"):
+        env.format.parse("? q")
+    assert env.step("?").observation == "7"
+    assert env.step("7").reward == 1.25
