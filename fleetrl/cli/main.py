@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from fleetrl.cli.errors import report, user_errors
 
@@ -49,7 +50,7 @@ def config_show(config: str = typer.Argument(..., help="Run config YAML."),
 
     plan = plan_for(load_config(config, list(overrides or [])))
     console.rule("config")
-    console.print(dump_yaml(plan.config), highlight=False)
+    console.print(Text(dump_yaml(plan.config)))
     console.rule("plan")
     console.print_json(json.dumps(plan.summary()))
 
@@ -66,12 +67,15 @@ def export(checkpoint: str = typer.Argument(..., help="A checkpoint folder (OUT/
     from fleetrl.checkpoint.manager import export_via_deltas
 
     out = export_via_deltas(checkpoint, hf, dtype=dtype) if from_deltas else export_hf(checkpoint, hf, dtype=dtype)
-    console.print(f"wrote {out}")
+    console.print(Text(f"wrote {out}"), soft_wrap=True)
 
 
 from fleetrl.cli import ops  # noqa: E402  (cluster, doctor, jobs, recipes, reward server)
 
 ops.register(app)
+from fleetrl.cli import sweep as _sweep  # noqa: E402  (sweep, report)
+
+_sweep.register(app)
 
 if __name__ == "__main__":
     app()

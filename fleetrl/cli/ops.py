@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from fleetrl.cli.errors import user_errors
 
@@ -79,10 +80,11 @@ def cluster_status(state_file: Optional[Path] = StateFile) -> None:
     if s.state is None:
         console.print("no Ray started by `fleetrl cluster up` on this node")
         raise typer.Exit(1)
-    console.print(f"{s.state.role} of {s.state.address} (pid {s.state.pid}, "
-                  f"{'running' if s.running else 'NOT running'}); token {s.state.token_masked}; log {s.state.log_path}")
+    console.print(Text(f"{s.state.role} of {s.state.address} (pid {s.state.pid}, "
+                       f"{'running' if s.running else 'NOT running'}); token {s.state.token_masked}; "
+                       f"log {s.state.log_path}"))
     if s.error:
-        console.print(f"[red]{s.error}[/]")
+        console.print(Text(str(s.error), style="red"))
     if s.nodes:
         table = Table("node", "alive", "CPU", "GPU", "memory GB")
         for n in s.nodes:
@@ -162,7 +164,7 @@ def jobs_list(address: str = Address, token_file: Optional[Path] = TokenFile) ->
 
     table = Table("job", "status", "entrypoint", "message")
     for j in list_jobs(address, _token(token_file)):
-        table.add_row(j.job_id, j.status, j.entrypoint, j.message)
+        table.add_row(*(Text(str(v)) for v in (j.job_id, j.status, j.entrypoint, j.message)))
     console.print(table)
 
 
@@ -172,7 +174,7 @@ def jobs_status(job_id: str, address: str = Address, token_file: Optional[Path] 
     from fleetrl.cluster.jobs import job_status
 
     j = job_status(address, job_id, _token(token_file))
-    console.print(f"{j.job_id}: {j.status}  {j.message}\n  {j.entrypoint}", highlight=False)
+    console.print(Text(f"{j.job_id}: {j.status}  {j.message}\n  {j.entrypoint}"), highlight=False)
 
 
 @_user_errors
@@ -231,15 +233,22 @@ def dstack(
 def serve_reward(
     fn: str = typer.Option(..., "--fn", help="Scorer: path/to/file.py:fn or a builtin name."),
     host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
-    token: Optional[str] = typer.Option(None, "--token", envvar="FLEETRL_REWARD_TOKEN",
-                                        help="Bearer token; required when --host is not loopback."),
+    token_file: Optional[Path] = typer.Option(None, "--token-file", help="File holding the bearer token "
+                                              "(default: FLEETRL_REWARD_TOKEN); required beyond loopback."),
+    token: Optional[str] = typer.Option(None, "--token", help="Bearer token (visible in `ps`: prefer "
+                                                              "--token-file or FLEETRL_REWARD_TOKEN)."),
     max_body_bytes: int = typer.Option(64 * 2**20, "--max-body-bytes"),
     timeout: float = typer.Option(30.0, "--timeout", help="Per-sample scoring limit (s)."),
+    max_connections: int = typer.Option(32, "--max-connections", help="Requests handled at once; more get 503."),
+    read_timeout: float = typer.Option(10.0, "--read-timeout", help="Seconds a client may take to send a request "
+                                                                    "head, or stall while sending a body."),
 ) -> None:
     """Serve a reward function over HTTP (GET /health, POST /score)."""
-    from fleetrl.rewards.server import ServeOptions, serve
+    from fleetrl.rewards.server import ServeOptions, resolve_token, serve
 
-    serve(ServeOptions(fn=fn, host=host, port=port, token=token, max_body_bytes=max_body_bytes, timeout_s=timeout))
+    serve(ServeOptions(fn=fn, host=host, port=port, token=resolve_token(token, token_file),
+                       max_body_bytes=max_body_bytes, timeout_s=timeout, max_connections=max_connections,
+                       read_timeout_s=read_timeout))
 
 
 def register(app: typer.Typer) -> None:

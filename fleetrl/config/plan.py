@@ -236,9 +236,19 @@ def _check_names(cfg: RunConfig) -> None:
         raise ConfigError("set exactly one of trainer.total_steps and trainer.total_epochs "
                           f"(got total_steps={t.total_steps}, total_epochs={t.total_epochs}); "
                           "total_steps: null selects epoch mode")
-    for key, value in (("trainer.total_steps", t.total_steps), ("trainer.total_epochs", t.total_epochs)):
+    for key, value in (("trainer.total_steps", t.total_steps), ("trainer.total_epochs", t.total_epochs),
+                       ("data.prompts_per_step", cfg.data.prompts_per_step)):
         if value is not None and value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
+    for key, value in (("trainer.save_every", t.save_every), ("trainer.val_every", t.val_every),
+                       ("trainer.keep_last", t.keep_last), ("trainer.keep_every", t.keep_every),
+                       ("trainer.export_every", t.export_every), ("trainer.max_restarts", t.max_restarts)):
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 = off), got {value}")
+    for role, optim in (("actor", cfg.actor.optim), ("critic", cfg.critic.optim)):
+        if not optim.lr > 0:
+            raise ConfigError(f"{role}.optim.lr must be > 0, got {optim.lr} (RL fine-tuning typically uses 1e-6 to "
+                              f"1e-5; freeze a model by leaving its role out instead)")
 
 
 def _check_sampling(cfg: RunConfig) -> None:

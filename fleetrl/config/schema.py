@@ -189,13 +189,25 @@ class RewardsConfig:
     timeout_s: float = 10.0
     default_score: float = 0.0
     num_workers: int = 4
-    isolation: Literal["thread", "process"] = "thread"
-    """process: a timed-out scorer's process is terminated."""
+    isolation: Literal["auto", "thread", "process"] = "auto"
+    """A timed-out process is terminated; a timed-out thread cannot be and keeps running in the background.
+    auto: threads until the first timeout, then processes."""
     remote_urls: tuple[str, ...] = ()
     """Remote reward servers (`fleetrl serve-reward`); when set they score every sample."""
     remote_token: str | None = None
     remote_timeout_s: float = 120.0
     """HTTP timeout of one batched request to a reward server (the server applies timeout_s per sample)."""
+    max_failure_rate: float = 0.5
+    """Stop the run (ScorerFailureError naming the scorer) when a scorer fails — error, timeout, or not run because
+    it hung — on more than this fraction of its samples in one step. 1.0 = never stop, train on default_score."""
+    remote_connect_timeout_s: float = 5.0
+    """Start-up /health check of each reward server: connect and answer within this (not remote_timeout_s)."""
+    remote_retries: int = 2
+    """Retries of a failed or timed-out /score on the next server; then the step fails with RewardServerLostError,
+    which the supervisor handles like a lost worker (trainer.max_restarts). Worst case per sub-batch:
+    (remote_retries + 1) × remote_timeout_s + the backoffs."""
+    remote_backoff_s: float = 1.0
+    """Backoff before retry k (k = 0, 1, ...): remote_backoff_s × 2**k."""
 
 
 @dataclass(frozen=True, kw_only=True)

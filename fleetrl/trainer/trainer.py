@@ -21,10 +21,9 @@ from fleetrl.cluster.group import WorkerGroup
 from fleetrl.config.plan import Plan
 from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.dynamic import fill_informative
-from fleetrl.trainer.feed import PromptFeed
+from fleetrl.trainer.inputs import RunInputs
 from fleetrl.trainer.metrics import rollout_metrics
 from fleetrl.trainer.progress import Progress, RNGState
-from fleetrl.trainer.rewards import RewardScorer
 from fleetrl.trainer.signals import Interrupted, StopSignal
 from fleetrl.trainer.validate import validate
 from fleetrl.workers.layout import arrange_update
@@ -37,14 +36,12 @@ SEQ_KEYS = ("prompts", "prompt_mask", "responses", "response_mask")
 
 class Trainer:
     def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, resume: str | None = None,
-                 stop: StopSignal | None = None) -> None:
+                 stop: StopSignal | None = None, inputs: RunInputs | None = None) -> None:
         self.stop = stop or StopSignal()
         self.plan, self.cfg, self.tracker, self.out_dir = plan, plan.config, tracker, out_dir
         self.resume = resume or self.cfg.trainer.resume
-        self.train_feed = PromptFeed.for_train(plan)
-        self.val_feed = PromptFeed.for_val(plan, self.train_feed.tokenizer)
-        self.scorer = RewardScorer(self.cfg, self.train_feed.tokenizer)
-        self.scorer.check_sources(self.train_feed.data_sources() | (self.val_feed.data_sources() if self.val_feed else set()))
+        inputs = inputs or RunInputs.load(plan)
+        self.train_feed, self.val_feed, self.scorer = inputs.train, inputs.val, inputs.scorer
         kl = self.cfg.algorithm.kl
         self.kl_ctl = make_kl_controller(kl.controller, kl.coef, kl.target, kl.horizon)
         self.progress = Progress()
@@ -223,7 +220,8 @@ class Trainer:
 
     def checkpoint(self, force: bool = False) -> None:
         t = self.cfg.trainer
-        if force or (t.save_every and self.step % t.save_every == 0):
+        # The last step is always saved when checkpoints are on: the steps after the last multiple are not lost.
+        if force or (t.save_every and (self.step % t.save_every == 0 or self.step == self.plan.total_steps)):
             with self._timed("checkpoint"):
                 from fleetrl.checkpoint.manager import save_checkpoint
 
@@ -244,7 +242,8 @@ class Trainer:
         diff = load_checkpoint(path, groups=list(self.groups.values()), state=self.state(), config=self.cfg)
         if diff:
             self.tracker.event(self.step, "config_changed_on_resume", diff=diff)
-        self.tracker.event(self.step, "resumed", path=str(path))
+        # Records of steps after this one that metrics.jsonl already holds are superseded by the redone steps.
+        self.tracker.event(self.step, "resumed", path=str(path), supersedes_after=self.step)
         self._publish_weights()  # the rollout engines must hold the resumed weights and version
 
     def stop_now(self) -> None:

@@ -10,7 +10,8 @@ from fleetrl.config.plan import PoolPlan
 
 
 def _pool(name="main", nodes=1, per_node=1, **bundle):
-    return PoolPlan(name=name, nodes=nodes, bundles_per_node=per_node, bundle=bundle or {"CPU": 1.0}, roles=("actor",))
+    return PoolPlan(name=name, nodes=nodes, bundles_per_node=per_node, bundle=bundle or {"CPU": 1.0}, roles=("actor",),
+                    cpu_threads=1)
 
 
 NODES = [NodeResources("n1", "10.0.0.1", {"CPU": 8, "GPU": 8}, {"CPU": 8, "GPU": 8}),
