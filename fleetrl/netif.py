@@ -9,7 +9,7 @@ from __future__ import annotations
 import fcntl
 import socket
 import struct
-from typing import Mapping
+from collections.abc import Mapping
 
 SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
 

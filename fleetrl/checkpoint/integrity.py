@@ -43,7 +43,7 @@ def file_checksums(ckpt: Path) -> dict:
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(sha256_file, files))
     return {"algo": ALGO, "files": {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, ALGO: d}
-                                    for p, d in zip(files, digests)}}
+                                    for p, d in zip(files, digests, strict=True)}}
 
 
 def verify_checksums(ckpt: Path, manifest: dict) -> str | None:
@@ -60,7 +60,7 @@ def verify_checksums(ckpt: Path, manifest: dict) -> str | None:
     rels = list(listed)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         got = list(pool.map(lambda r: sha256_file(ckpt / r), rels))
-    for rel, digest in zip(rels, got):
+    for rel, digest in zip(rels, got, strict=True):
         if digest != listed[rel][ALGO]:
             return f"{rel} is corrupt ({ALGO} {digest[:12]}…, {listed[rel][ALGO][:12]}… was saved)"
     return None

@@ -69,7 +69,7 @@ def test_saved_checkpoint_lists_every_file(run):
 
 
 def test_same_size_corruption_falls_back_to_the_older_checkpoint(run, caplog):
-    distcp = sorted((run / "checkpoints" / "step_2" / "actor").glob("*.distcp"))[0]
+    distcp = min((run / "checkpoints" / "step_2" / "actor").glob("*.distcp"))
     size = distcp.stat().st_size
     _flip_middle_byte(distcp)
     assert distcp.stat().st_size == size
@@ -81,7 +81,7 @@ def test_same_size_corruption_falls_back_to_the_older_checkpoint(run, caplog):
 
 def test_every_checkpoint_corrupt_is_an_error_not_a_fresh_start(run):
     for step in (1, 2):
-        _flip_middle_byte(sorted((run / "checkpoints" / f"step_{step}" / "actor").glob("*.distcp"))[0])
+        _flip_middle_byte(min((run / "checkpoints" / f"step_{step}" / "actor").glob("*.distcp")))
     with pytest.raises(CheckpointError, match=r"none of the 2 checkpoints .*\(step_2: actor/.*corrupt.*; "
                                               r"step_1: actor/.*corrupt.*new trainer.output_dir") as err:
         find_resume(run, "auto")
@@ -93,7 +93,7 @@ def test_missing_and_truncated_files_are_named(run):
     (ckpt / "controller.pt").unlink()
     assert validate_checkpoint(ckpt) == "controller.pt is missing (checksums.json lists it)"
     shutil.copy(run / "checkpoints" / "step_1" / "controller.pt", ckpt / "controller.pt")
-    worker = sorted((ckpt / "workers").glob("*.pt"))[0]
+    worker = min((ckpt / "workers").glob("*.pt"))
     worker.write_bytes(worker.read_bytes()[:-1])
     assert "bytes, " in validate_checkpoint(ckpt) and "truncated" in validate_checkpoint(ckpt)
 
@@ -105,7 +105,7 @@ def test_checkpoint_without_checksums_uses_the_size_checks(run):
     (ckpt / "meta.json").write_text(json.dumps(meta))
     (ckpt / "checksums.json").unlink()
     assert validate_checkpoint(ckpt) is None  # an old-style checkpoint is still accepted
-    distcp = sorted((ckpt / "actor").glob("*.distcp"))[0]
+    distcp = min((ckpt / "actor").glob("*.distcp"))
     distcp.write_bytes(distcp.read_bytes()[:10])
     assert "is truncated" in validate_checkpoint(ckpt)
 
@@ -130,7 +130,7 @@ def test_checkpoint_config_is_redacted_private_and_not_a_diff(run, saved_run):
 
 
 def test_training_resumes_from_the_intact_checkpoint(run):
-    _flip_middle_byte(sorted((run / "checkpoints" / "step_2" / "actor").glob("*.distcp"))[0])
+    _flip_middle_byte(min((run / "checkpoints" / "step_2" / "actor").glob("*.distcp")))
     records = train_run("examples/ppo_tiny.yaml", run, *RUN, "trainer.total_steps=3", "trainer.resume=auto")
     assert [r["step"] for r in records if r.get("event") == "resumed"] == [1]
     assert (run / "checkpoints" / "step_3" / "checksums.json").is_file()
