@@ -30,7 +30,9 @@ checks = {
     "all finished": all(x["state"] == "finished" for x in rows),
     "one GPU each": all(len(s) == 1 for s in torch_sets),
     "disjoint": len(torch_sets) == 2 and not (torch_sets[0] & torch_sets[1]),
-    "torch sees the GPU nvidia-smi names": all(set(x["nvidia_smi_uuids"]) == s for x, s in zip(rows, torch_sets)),
+    # torch reports the UUID without nvidia-smi's "GPU-" prefix
+    "torch sees the GPU nvidia-smi names": all({u.removeprefix("GPU-") for u in x["nvidia_smi_uuids"]} == s
+                                               for x, s in zip(rows, torch_sets)),
     "ran in parallel": max(x["started"] for x in rows) < min(x["ended"] for x in rows),
 }
 for k, v in checks.items():
