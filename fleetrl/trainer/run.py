@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.text import Text
 
 from fleetrl.checkpoint.manager import find_resume
-from fleetrl.config import Plan, derive_plan, dump_yaml, load_config, to_dict
+from fleetrl.config import Plan, derive_plan, load_config, redacted_dict, write_config
 from fleetrl.config.schema import RunConfig
 from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.inputs import RunInputs
@@ -47,8 +47,8 @@ def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
         raise
     if cfg.trainer.resume != "never":
         find_resume(out, cfg.trainer.resume)  # a broken checkpoint fails here, before config.yaml is rewritten
-    (out / "config.yaml").write_text(dump_yaml(cfg))
-    tracker = Tracker(out, cfg.tracking, to_dict(cfg), cfg.trainer.name)
+    write_config(out / "config.yaml", cfg)  # secrets redacted, mode 0600
+    tracker = Tracker(out, cfg.tracking, redacted_dict(cfg), cfg.trainer.name)
     tracker.console.print(Text(f"fleetrl run directory: {out}"), soft_wrap=True)
     started = ensure_ray(cfg.cluster)
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from fleetrl.config import dump_yaml
+from fleetrl.config.load import redact_yaml_text
 from fleetrl.config.schema import RunConfig
 from fleetrl.errors import UserError
 
@@ -67,7 +68,8 @@ def _config_diff(out: Path, cfg: RunConfig) -> str:
     saved = out / "config.yaml"
     if not saved.is_file():
         return ""
-    diff = list(difflib.unified_diff(saved.read_text().splitlines(), dump_yaml(cfg).splitlines(), "that run",
+    # an older run's file may hold a secret in clear: redact it before it reaches a message
+    diff = list(difflib.unified_diff(redact_yaml_text(saved.read_text()).splitlines(), dump_yaml(cfg).splitlines(), "that run",
                                      "this run", lineterm="", n=0))[2:]
     changes = [d for d in diff if not d.startswith("@@")]
     return (" Its config differs in: " + "; ".join(changes[:12])) if changes else " Its config is the same."

@@ -250,13 +250,16 @@ class Trainer:
         """After a stop signal: checkpoint this step (unless it just was, or checkpoint_on_signal says not to)."""
         import signal
 
-        from fleetrl.checkpoint.manager import checkpoint_root, find_resume
+        from fleetrl.checkpoint.manager import CheckpointError, checkpoint_root, find_resume
 
         policy = self.cfg.trainer.checkpoint_on_signal
         wanted = policy == "always" or (policy == "sigterm" and self.stop.signum == signal.SIGTERM)
         if wanted and not (checkpoint_root(self.out_dir) / f"step_{self.step}").is_dir():
             self.checkpoint(force=True)
-        latest = find_resume(self.out_dir, "auto")
+        try:
+            latest = find_resume(self.out_dir, "auto")
+        except CheckpointError:  # every checkpoint unusable: still stop, and say there is none
+            latest = None
         self.tracker.event(self.step, "stopped", signal=int(self.stop.signum))
         raise Interrupted(self.step, int(self.stop.signum), int(latest.name[5:]) if latest else None)
 
