@@ -250,7 +250,7 @@ def block_until_exit(state_file: Path | None = None, *, poll_s: float = 5.0, hea
     exits). A worker returns 0 once the head has stopped answering for `head_gone_polls` polls (the run
     ended and the head went down), stopping its own Ray first; 1 when Ray died by itself. SIGTERM/SIGINT
     stop Ray and return 0."""
-    def _stop(signum, frame):  # noqa: ARG001
+    def _stop(signum, _frame):
         raise KeyboardInterrupt
     state_file = state_file or default_state_file()
     state = read_state(state_file)

@@ -112,7 +112,7 @@ class Sweep:
             return 130
         return 1 if any(r.state == "failed" for r in self.m.runs) else 0
 
-    def _on_signal(self, signum: int, frame) -> None:
+    def _on_signal(self, signum: int, _frame) -> None:
         self.hurry = self.stop_signal is not None
         self.stop_signal = signum
 

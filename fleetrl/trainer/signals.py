@@ -40,7 +40,7 @@ class StopSignal:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if self.signum is not None:
             raise KeyboardInterrupt  # the second signal: stop now, without the checkpoint
         self.signum = signum

@@ -1,7 +1,6 @@
 """Nothing waits forever: a frozen worker (SIGSTOP) is reported within cluster.stall_s with its pool, rank and
 phase, its stacks are written under RUN/stalls/, and the run recovers from its checkpoint; a slow worker that
 keeps making progress is left alone; SIGTERM stops after the step with a checkpoint and resumes exactly."""
-import json
 import os
 import signal
 import subprocess
