@@ -71,6 +71,9 @@ def export(checkpoint: str = typer.Argument(..., help="A checkpoint folder (OUT/
 from fleetrl.cli import ops  # noqa: E402  (cluster, doctor, jobs, recipes, reward server)
 
 ops.register(app)
+from fleetrl.cli import data as data_cli  # noqa: E402
+
+data_cli.register(app)
 
 if __name__ == "__main__":
     app()

@@ -1,0 +1,136 @@
+"""CPU benchmark: GRPO steps of SmolLM2-135M-Instruct on offline arithmetic, through the library.
+
+Runs `fleetrl.trainer.run.run_plan` on examples/grpo_smollm2_arith.yaml (8 prompts x 8 samples, <= 48 new tokens),
+with the engine / dtype / backend / threads given, and reports seconds per step for each phase (mean over the
+steps after the first, which pays one-off costs) and the peak resident memory of the process that hosts the
+worker (the driver itself with --backend local, the largest Ray child process with --backend ray).
+
+    PYTHONPATH=. python bench/cpu_smollm2.py --steps 3 --engine fast --dtype float32 --label after
+    PYTHONPATH=. python bench/cpu_smollm2.py --steps 3 --engine hf --backend ray --label before
+
+Writes bench/results/cpu_smollm2_<label>.json and prints one markdown row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "examples" / "grpo_smollm2_arith.yaml"
+ARITH_OPTIONS = {"min_terms": 2, "max_terms": 2, "max_digits": 2, "allow_parentheses": False,
+                 "allow_negation": False, "operators": ["+", "-"]}
+PHASES = ("generate", "score", "logprobs", "update", "sync", "step")
+
+
+class PeakRSS:
+    """Samples the RSS of this process and of each descendant every `every` s (Ray workers are descendants of
+    the raylet this driver started); `peak_self` and `peak_child` are the largest values seen, in bytes."""
+
+    def __init__(self, every: float = 0.05) -> None:
+        self.every, self.peak_self, self.peak_child = every, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "PeakRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            self.peak_self = max(self.peak_self, me.memory_info().rss)
+            for child in me.children(recursive=True):
+                try:
+                    self.peak_child = max(self.peak_child, child.memory_info().rss)
+                except psutil.Error:  # exited between listing and reading
+                    pass
+            self._stop.wait(self.every)
+
+
+def ensure_data(folder: Path) -> None:
+    if not (folder / "train.parquet").is_file():
+        from fleetrl.data.make import make_data
+
+        make_data("basic_arithmetic", folder, n_train=2000, n_val=128, seed=0, options=ARITH_OPTIONS)
+
+
+def overrides(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
+    items = [f"model.dtype={args.dtype}", f"rollout.engine={args.engine}", f"cluster.backend={args.backend}",
+             f"data.train={data / 'train.parquet'}", f"data.val={data / 'val.parquet'}",
+             f"trainer.total_steps={args.steps}", "trainer.val_before_train=false", "trainer.val_every=0",
+             f"trainer.output_dir={out}", "trainer.save_every=0", "tracking.tensorboard=false",
+             "tracking.progress=false", f"algorithm.micro_batch_size={args.micro}",
+             f"actor.logprob_chunk={args.chunk if args.chunk > 0 else 'null'}",
+             f"cluster.pools.main.cpus_per_worker={args.threads}",
+             f"cluster.env.FLEETRL_CPU_THREADS='{args.threads}'"]
+    return items + list(args.set)
+
+
+def summarise(metrics_file: Path) -> dict[str, float]:
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "train/time/step" in r]
+    timed = rows[1:] if len(rows) > 1 else rows  # step 1 pays one-off costs (allocations, lazy init)
+    out = {p: sum(r.get(f"train/time/{p}", 0.0) for r in timed) / len(timed) for p in PHASES}
+    out["first_step"] = rows[0]["train/time/step"]
+    out["reward_mean"] = sum(r["train/reward_mean"] for r in rows) / len(rows)
+    out["response_length_mean"] = sum(r["train/response_length_mean"] for r in rows) / len(rows)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--engine", default="fast", choices=("hf", "fast"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--backend", default="local", choices=("local", "ray"))
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the worker (cpus_per_worker)")
+    ap.add_argument("--micro", type=int, default=16, help="algorithm.micro_batch_size")
+    ap.add_argument("--chunk", type=int, default=16, help="actor.logprob_chunk (0 = whole sequence)")
+    ap.add_argument("--data", default=str(ROOT / "data" / "arith"))
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--set", nargs="*", default=[], help="extra config overrides key=value")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    os.environ["FLEETRL_CPU_THREADS"] = str(args.threads)  # the local backend's worker reads it in-process
+
+    from fleetrl.config import derive_plan, load_config
+    from fleetrl.trainer.run import run_plan
+
+    data = Path(args.data)
+    ensure_data(data)
+    label = args.label or f"{args.engine}_{args.dtype}_{args.backend}_t{args.threads}"
+    with tempfile.TemporaryDirectory(prefix="cpu_smollm2_") as tmp:
+        run_dir = Path(tmp) / "run"
+        plan = derive_plan(load_config(str(CONFIG), overrides(args, data, run_dir)))
+        t0 = time.perf_counter()
+        with PeakRSS() as rss:
+            run_plan(plan, run_dir)
+        wall = time.perf_counter() - t0
+        result = summarise(run_dir / "metrics.jsonl")
+    worker_rss = rss.peak_self if args.backend == "local" else rss.peak_child
+    record = {"label": label, "args": vars(args), "wall_s": wall, "s_per_step": result, "peak_rss_gb": {
+        "worker": worker_rss / 2**30, "driver": rss.peak_self / 2**30, "largest_child": rss.peak_child / 2**30},
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"cpu_smollm2_{label}.json").write_text(json.dumps(record, indent=2))
+    s = result
+    print("| label | step s | generate | logprobs | update | first step | peak RSS GB | reward |")
+    print(f"| {label} | {s['step']:.1f} | {s['generate']:.1f} | {s['logprobs']:.1f} | {s['update']:.1f} | "
+          f"{s['first_step']:.1f} | {worker_rss / 2**30:.2f} | {s['reward_mean']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
