@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import psutil
 
@@ -39,7 +40,7 @@ class PeakRSS:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

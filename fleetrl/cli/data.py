@@ -1,8 +1,6 @@
 """`fleetrl data ...`: make training data offline. The logic lives in fleetrl/data/make.py."""
 from __future__ import annotations
 
-from typing import List, Optional
-
 import typer
 from rich.console import Console
 
@@ -17,8 +15,8 @@ def data_make(
     n_val: int = typer.Option(200, "--n-val", help="Validation prompts (disjoint from training)."),
     seed: int = typer.Option(0, "--seed", help="Generator / shuffle seed."),
     answer_format: str = typer.Option("auto", "--format", help="auto | gsm8k ('#### N') | boxed (\\boxed{})."),
-    option: Optional[List[str]] = typer.Option(None, "--option", "-o",
-                                               help="reasoning-gym config field KEY=VALUE (lists: a,b or JSON), e.g. -o max_terms=2."),
+    option: list[str] | None = typer.Option(  # noqa: B008 (typer's idiom)
+        None, "--option", "-o", help="reasoning-gym config field KEY=VALUE (lists: a,b or JSON), e.g. -o max_terms=2."),
 ) -> None:
     """Write verl-format parquet (data_source, prompt, reward_model.ground_truth, extra_info) to OUT."""
     from fleetrl.data.errors import DataError
