@@ -6,7 +6,6 @@ import torch
 
 from fleetrl.engines.fast import FastRolloutEngine
 from fleetrl.engines.protocol import SamplingParams
-
 from tests.engines.test_fast import CharTokenizer, left_padded, tiny_model
 
 
