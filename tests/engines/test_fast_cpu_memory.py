@@ -2,6 +2,7 @@
 prompt when a batch repeats prompts (GRPO's n samples), with outputs equal to prefilling every row."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fleetrl.engines.fast import FastRolloutEngine
@@ -43,3 +44,29 @@ def test_repeated_prompts_prefill_once_and_sample_as_if_alone():
     assert torch.equal(out.responses, ref.responses)
     assert torch.allclose(out.logprobs, ref.logprobs, atol=1e-5)
     assert len({tuple(r.tolist()) for r in out.responses[:n]}) > 1  # the copies of one prompt still differ
+
+
+def test_bf16_compute_on_an_fp32_model_equals_decoding_a_bf16_copy():
+    import copy
+
+    model = tiny_model("llama")
+    ids, mask = left_padded([4, 6, 3], seed=5)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2)
+    cast = FastRolloutEngine(model, CharTokenizer(None), device="cpu", max_seq_len=64, compute_dtype=torch.bfloat16)
+    out = cast.generate(ids, mask, params)
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    ref = FastRolloutEngine(bf16_model, CharTokenizer(None), device="cpu", max_seq_len=64).generate(ids, mask, params)
+    # Same tokens; logprobs differ by bf16 rounding only: `.to(bfloat16)` also rounds the copy's RoPE inv_freq,
+    # while the engine builds its RoPE table from the fp32 model's.
+    assert torch.equal(out.responses, ref.responses)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=0.05, rtol=0)
+    assert cast._fwd.shadow is None and cast._buf.k.dtype == torch.bfloat16  # the copy lives only during a call
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_rollout_dtype_env(monkeypatch):
+    monkeypatch.setenv("FLEETRL_ROLLOUT_DTYPE", "bf16")
+    assert FastRolloutEngine(tiny_model("qwen2"), None, device="cpu").dtype == torch.bfloat16
+    monkeypatch.setenv("FLEETRL_ROLLOUT_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="FLEETRL_ROLLOUT_DTYPE='fp8' is not one of"):
+        FastRolloutEngine(tiny_model("qwen2"), None, device="cpu")

@@ -19,6 +19,7 @@ up to SEQ_GRANULE, at most `max_seq_len`); a later call that needs more grows it
 from __future__ import annotations
 
 import heapq
+import os
 from collections import deque
 from typing import Literal, Mapping
 
@@ -33,6 +34,7 @@ from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers
 from fleetrl.engines.protocol import GenerationOutput, SamplingParams
 
 KV_BUCKET = 256  # kv-length granularity of the torch-path graphs (the Triton path reads exact lengths)
+ROLLOUT_DTYPE_ENV = "FLEETRL_ROLLOUT_DTYPE"
 SEQ_GRANULE = 64  # cache positions are allocated in multiples of this, so similar calls reuse one cache
 
 
@@ -41,13 +43,17 @@ class FastRolloutEngine:
 
     kernels: "auto" uses the fused Triton kernels on CUDA when triton is installed, else torch ops; "torch"
     forces torch ops. sync_every: decode steps between host reads of the done flags. prefill_tokens: the
-    most (padded) prompt tokens prefilled in one forward.
+    most (padded) prompt tokens prefilled in one forward. compute_dtype: the dtype to decode in when it differs
+    from the model's (e.g. bf16 decode of an fp32 trainer on a CPU with AVX512-BF16): each call decodes with a
+    copy of the weights cast at its start and freed at its end (2 bytes x parameters while generating); None
+    = $FLEETRL_ROLLOUT_DTYPE if set (an interim switch until the run config carries it), else the model's.
+    Sampled-token logprobs then come from the cast weights (the trainer's recomputation stays in its dtype).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: object | None, *, device: torch.device | str,
                  max_batch: int = 256, max_seq_len: int = 2048, use_cuda_graphs: bool | None = None, seed: int = 0,
                  kernels: Literal["auto", "triton", "torch"] = "auto", sync_every: int = 16,
-                 prefill_tokens: int = 32768) -> None:
+                 prefill_tokens: int = 32768, compute_dtype: torch.dtype | None = None) -> None:
         if max_batch < 1 or max_seq_len < 2 or sync_every < 1:
             raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, sync_every >= 1; got {max_batch}, "
                              f"{max_seq_len}, {sync_every}")
@@ -56,10 +62,15 @@ class FastRolloutEngine:
         self.spec: DecoderSpec = read_spec(model)
         self.max_batch, self.max_seq_len, self.sync_every = max_batch, max_seq_len, sync_every
         self.prefill_tokens = max(prefill_tokens, max_seq_len)
-        self.dtype = self._check_weights()
+        self.model_dtype = self._check_weights()
+        self.dtype = compute_dtype or _dtype_from_env() or self.model_dtype
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         if self.use_cuda_graphs and self.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs a CUDA device; pass use_cuda_graphs=None or False on CPU")
+        if self.use_cuda_graphs and self.dtype != self.model_dtype:
+            raise ValueError(f"compute_dtype={self.dtype} differs from the model's {self.model_dtype}: the per-call "
+                             "weight copy would invalidate CUDA graphs; cast the model instead, or pass "
+                             "use_cuda_graphs=False")
         self.kernels = _load_kernels(kernels, self.device, self.spec, self.dtype)
         self._fwd = DecoderForward(model, self.spec, max_seq_len, self.dtype, self.device, self.kernels)
         self._eos = _eos_ids(model, tokenizer)
@@ -77,7 +88,12 @@ class FastRolloutEngine:
         rows = self._unpad(prompts, prompt_mask, params)
         buf = self._ready(len(rows), max(len(r) for r in rows) + params.max_new_tokens)
         key = self._configure(buf, params)
-        tok, lp, counts = self._run(buf, rows, params.max_new_tokens, key)
+        if self.dtype != self.model_dtype:
+            self._fwd.cast_for_call(self.dtype)
+        try:
+            tok, lp, counts = self._run(buf, rows, params.max_new_tokens, key)
+        finally:
+            self._fwd.shadow = None
         stop_set = set(self._eos) | set(params.stop_token_ids)
         return assemble_output(tok, lp, counts, stop_set, params.stop_strings, self.tokenizer, prompts.device)
 
@@ -288,6 +304,17 @@ def _chunks(admit: list[tuple[int, int]], rows: list[torch.Tensor], budget: int)
         out[-1].append(item)
         longest = max(longest, n)
     return out
+
+
+def _dtype_from_env() -> torch.dtype | None:
+    name = os.environ.get(ROLLOUT_DTYPE_ENV, "").strip().lower()
+    if not name:
+        return None
+    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+              "float16": torch.float16, "fp16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"{ROLLOUT_DTYPE_ENV}={name!r} is not one of {sorted(dtypes)}")
+    return dtypes[name]
 
 
 def _resolve(device: torch.device) -> torch.device:
