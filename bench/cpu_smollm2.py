@@ -33,10 +33,14 @@ PHASES = ("generate", "score", "logprobs", "update", "sync", "step")
 
 class PeakRSS:
     """Samples the RSS of this process and of each descendant every `every` s (Ray workers are descendants of
-    the raylet this driver started); `peak_self` and `peak_child` are the largest values seen, in bytes."""
+    the raylet this driver started); `peak_self` and `peak_child` are the largest values seen, in bytes.
+    `cpu_s` is the CPU time (user + system) of the process with the largest RSS (the worker): on a shared
+    machine it measures the work done, where wall time also counts waiting for a core."""
 
-    def __init__(self, every: float = 0.05) -> None:
-        self.every, self.peak_self, self.peak_child = every, 0, 0
+    def __init__(self, children: bool, every: float = 0.25) -> None:
+        self.children, self.every, self.peak_self, self.peak_child = children, every, 0, 0
+        self._cpu: dict[int, float] = {}
+        self._rss: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -50,14 +54,24 @@ class PeakRSS:
 
     def _run(self) -> None:
         me = psutil.Process()
+        start = sum(me.cpu_times()[:2])
         while not self._stop.is_set():
-            self.peak_self = max(self.peak_self, me.memory_info().rss)
-            for child in me.children(recursive=True):
+            # Listing descendants scans /proc (costly at this rate): only when workers are other processes.
+            for proc in [me, *(me.children(recursive=True) if self.children else [])]:
                 try:
-                    self.peak_child = max(self.peak_child, child.memory_info().rss)
+                    rss, cpu = proc.memory_info().rss, sum(proc.cpu_times()[:2])
                 except psutil.Error:  # exited between listing and reading
-                    pass
+                    continue
+                self._rss[proc.pid] = max(self._rss.get(proc.pid, 0), rss)
+                self._cpu[proc.pid] = cpu - (start if proc is me else 0.0)
+            self.peak_self = self._rss[me.pid]
+            self.peak_child = max([v for k, v in self._rss.items() if k != me.pid], default=0)
             self._stop.wait(self.every)
+
+    def cpu_s(self, worker_is_self: bool) -> float:
+        pid = psutil.Process().pid if worker_is_self else max(
+            (p for p in self._rss if p != psutil.Process().pid), key=self._rss.get, default=None)
+        return self._cpu.get(pid, 0.0)
 
 
 def ensure_data(folder: Path) -> None:
@@ -75,7 +89,11 @@ def overrides(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
              "tracking.progress=false", f"algorithm.micro_batch_size={args.micro}",
              f"actor.logprob_chunk={args.chunk if args.chunk > 0 else 'null'}",
              f"cluster.pools.main.cpus_per_worker={args.threads}",
-             f"cluster.env.FLEETRL_CPU_THREADS='{args.threads}'"]
+             f"cluster.env.FLEETRL_CPU_THREADS='{args.threads}'",
+             f"cluster.env.FLEETRL_AUTOCAST='{args.autocast}'",
+             f"cluster.env.FLEETRL_ROLLOUT_DTYPE='{args.rollout_dtype}'"]
+    if args.omp_wait != "default":
+        items.append(f"cluster.env.OMP_WAIT_POLICY={args.omp_wait.upper()}")
     return items + list(args.set)
 
 
@@ -83,7 +101,9 @@ def summarise(metrics_file: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "train/time/step" in r]
     timed = rows[1:] if len(rows) > 1 else rows  # step 1 pays one-off costs (allocations, lazy init)
-    out = {p: sum(r.get(f"train/time/{p}", 0.0) for r in timed) / len(timed) for p in PHASES}
+    # Phase keys carry the role (update_actor, update_critic): a phase is the sum of its keys.
+    out = {p: sum(v for r in timed for k, v in r.items() if k == f"train/time/{p}" or
+                  k.startswith(f"train/time/{p}_")) / len(timed) for p in PHASES}
     out["first_step"] = rows[0]["train/time/step"]
     out["reward_mean"] = sum(r["train/reward_mean"] for r in rows) / len(rows)
     out["response_length_mean"] = sum(r["train/response_length_mean"] for r in rows) / len(rows)
@@ -102,9 +122,19 @@ def main() -> None:
     ap.add_argument("--data", default=str(ROOT / "data" / "arith"))
     ap.add_argument("--label", default=None)
     ap.add_argument("--set", nargs="*", default=[], help="extra config overrides key=value")
+    ap.add_argument("--omp-wait", default="passive", choices=("passive", "active", "default"),
+                    help="OMP_WAIT_POLICY of the worker: on a shared machine OpenMP threads that spin while "
+                         "their sibling is descheduled make every op up to 100x slower (passive: they sleep)")
+    ap.add_argument("--autocast", default="", help="FLEETRL_AUTOCAST for the update (e.g. bfloat16)")
+    ap.add_argument("--rollout-dtype", default="", help="FLEETRL_ROLLOUT_DTYPE for the fast engine")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
-    os.environ["FLEETRL_CPU_THREADS"] = str(args.threads)  # the local backend's worker reads it in-process
+    # The local backend's worker reads these in-process; Ray workers get them through cluster.env.
+    env = {"FLEETRL_CPU_THREADS": str(args.threads), "FLEETRL_AUTOCAST": args.autocast,
+           "FLEETRL_ROLLOUT_DTYPE": args.rollout_dtype}
+    if args.omp_wait != "default":
+        env["OMP_WAIT_POLICY"] = args.omp_wait.upper()  # read when libgomp loads: before torch is imported
+    os.environ.update(env)
 
     from fleetrl.config import derive_plan, load_config
     from fleetrl.trainer.run import run_plan
@@ -116,21 +146,23 @@ def main() -> None:
         run_dir = Path(tmp) / "run"
         plan = derive_plan(load_config(str(CONFIG), overrides(args, data, run_dir)))
         t0 = time.perf_counter()
-        with PeakRSS() as rss:
+        with PeakRSS(children=args.backend == "ray") as rss:
             run_plan(plan, run_dir)
         wall = time.perf_counter() - t0
         result = summarise(run_dir / "metrics.jsonl")
     worker_rss = rss.peak_self if args.backend == "local" else rss.peak_child
-    record = {"label": label, "args": vars(args), "wall_s": wall, "s_per_step": result, "peak_rss_gb": {
+    cpu = rss.cpu_s(worker_is_self=args.backend == "local")
+    record = {"label": label, "args": vars(args), "wall_s": wall, "s_per_step": result,
+              "worker_cpu_s_total": cpu, "load_avg_1m_end": os.getloadavg()[0], "peak_rss_gb": {
         "worker": worker_rss / 2**30, "driver": rss.peak_self / 2**30, "largest_child": rss.peak_child / 2**30},
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"cpu_smollm2_{label}.json").write_text(json.dumps(record, indent=2))
     s = result
-    print("| label | step s | generate | logprobs | update | first step | peak RSS GB | reward |")
+    print("| label | step s | generate | logprobs | update | first step | worker CPU s (run) | peak RSS GB | reward |")
     print(f"| {label} | {s['step']:.1f} | {s['generate']:.1f} | {s['logprobs']:.1f} | {s['update']:.1f} | "
-          f"{s['first_step']:.1f} | {worker_rss / 2**30:.2f} | {s['reward_mean']:.3f} |")
+          f"{s['first_step']:.1f} | {cpu:.0f} | {worker_rss / 2**30:.2f} | {s['reward_mean']:.3f} |")
 
 
 if __name__ == "__main__":
