@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fleetrl.config.schema import OptimConfig
+from fleetrl.models.hf import release_freed_memory
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
                    "fp16": torch.float16}
@@ -125,6 +126,11 @@ class TrainingEngine:
             totals["skipped"] = 1.0  # a NaN/inf gradient must not poison the weights
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cpu":
+            # The step's activations and gradients are freed into glibc's heap, which keeps them resident
+            # (measured on SmolLM2-135M: 3.56 GiB after a step, 1.95 GiB after the trim); the next phase
+            # (generation) would otherwise start from the update's high-water mark.
+            release_freed_memory()
         return {**totals, "grad_norm": norm, "lr": lr}
 
     def autocast(self) -> AbstractContextManager:
