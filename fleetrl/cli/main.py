@@ -76,6 +76,9 @@ ops.register(app)
 from fleetrl.cli import sweep as _sweep  # noqa: E402  (sweep, report)
 
 _sweep.register(app)
+from fleetrl.cli import data as data_cli  # noqa: E402  (data make)
+
+data_cli.register(app)
 
 if __name__ == "__main__":
     app()

@@ -11,7 +11,7 @@ from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
-from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.layout import micro_batches, pad_response
 from fleetrl.workers.messages import MiniBatchCounts, UpdateMetrics, UpdateSpec
 from fleetrl.workers.update import run_update
@@ -65,7 +65,8 @@ class ActorComponent:
         self.model = model
         self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info,
                                      total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),
-                                     sharded=ctx.cfg.actor.sharding == "fsdp2")
+                                     sharded=ctx.cfg.actor.sharding == "fsdp2",
+                                     autocast_dtype=None if ctx.cfg.actor.autocast == "off" else dtype_of(ctx.cfg.actor.autocast))
 
     @property
     def chunk(self) -> int | None:
