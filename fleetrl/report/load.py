@@ -99,9 +99,10 @@ def find_runs(dirs: list[Path]) -> list[Run]:
         if not hits:
             raise FileNotFoundError(f"{d}: no metrics.jsonl in it or in its subfolders; is it a run or sweep dir?")
         found += [h for h in hits if h not in found]
+        found += [p for p in _failed_before_training(d) if p not in found]
     runs = []
     for path in found:
-        steps, events, torn = read_metrics(path / "metrics.jsonl")
+        steps, events, torn = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else ({}, [], 0)
         runs.append(Run(path=path, steps=steps, events=events, torn_lines=torn, config=_read_config(path)))
     _attach_sweep_state(runs)
     assign_groups(runs)
@@ -140,6 +141,16 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not cfg.is_file():
         return {}
     return _flatten(yaml.safe_load(cfg.read_text()) or {})
+
+
+def _failed_before_training(sweep_dir: Path) -> list[Path]:
+    """Runs of a sweep that failed before writing any metrics (bad input is refused before a run starts): they
+    are reported as failed too."""
+    manifest = sweep_dir / "sweep.json"
+    if not manifest.is_file():
+        return []
+    return [sweep_dir / rec["name"] for rec in json.loads(manifest.read_text()).get("runs", [])
+            if rec.get("state") == "failed" and not (sweep_dir / rec["name"] / "metrics.jsonl").is_file()]
 
 
 def _attach_sweep_state(runs: list[Run]) -> None:

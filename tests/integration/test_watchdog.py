@@ -82,7 +82,7 @@ def test_slow_but_progressing_worker_is_not_killed(tmp_path, ray_local):
                         "cluster.env={FLEETRL_FAULT_BEAT_DELAY_S: '1.5'}", "trainer.max_restarts=0")
     assert _steps(records) == {1, 2}
     assert not [r for r in records if r.get("event") in ("stall", "restart")]
-    assert records[-1]["train/time/generate"] > 4
+    assert [r for r in records if "train/time/generate" in r][-1]["train/time/generate"] > 4
 
 
 def test_sigterm_checkpoints_and_resume_matches_a_straight_run(tmp_path, ray_local):
