@@ -25,6 +25,8 @@ from tests.netns import live_group_members  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "fleetrl.cli.main"]
+# Every test on the `head` fixture starts a real Ray head through the CLI (~15 s on a busy 2-core box).
+SLOW = pytest.mark.slow
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
@@ -98,6 +100,7 @@ def test_train_entrypoint_is_fleetrl_train_with_quoted_overrides():
         jobs.train_entrypoint("q.yaml", ["oops"])
 
 
+@SLOW
 def test_submit_runs_fleetrl_train_on_the_cluster(head):
     token_file = str(head["root"] / "token")
     result = _cli("submit", "missing.yaml", "trainer.total_steps=1", "--address", head["url"], "--working-dir",
@@ -112,6 +115,7 @@ def test_submit_runs_fleetrl_train_on_the_cluster(head):
     assert job_id in listed.output
 
 
+@SLOW
 def test_logs_follow_streams_until_the_job_ends(head):
     # The job's driver joins the token-protected cluster with no setup: it inherits the raylet's auth env.
     entrypoint = "python -c 'import ray; ray.init(); print(\"hello-from-job\", len(ray.nodes()))'"
@@ -123,6 +127,7 @@ def test_logs_follow_streams_until_the_job_ends(head):
     assert _wait(head, job_id, TERMINAL).status == "SUCCEEDED"
 
 
+@SLOW
 def test_stop_ends_a_running_job(head):
     job_id = jobs.submit_entrypoint(head["url"], "python -u -c 'import time; print(\"up\"); time.sleep(300)'",
                                     working_dir=head["workdir"], token=head["token"])
@@ -134,10 +139,12 @@ def test_stop_ends_a_running_job(head):
     assert "STOPPED" in status.output
 
 
+@SLOW
 def test_job_api_rejects_a_client_without_the_token(head):
-    with pytest.raises(Exception) as err:
+    from ray.exceptions import AuthenticationError
+
+    with pytest.raises(AuthenticationError, match="Missing authentication token"):
         jobs.list_jobs(head["url"], token=None)
-    assert "auth" in str(err.value).lower() or "401" in str(err.value)
 
 
 def test_address_must_be_the_dashboard_url():

@@ -76,6 +76,7 @@ def cluster():
             shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.slow  # a `fleetrl cluster up` subprocess
 def test_worker_without_token_fails_fast(tmp_path):
     """No token anywhere: the worker stops before waiting for the head, and says where the token goes."""
     start = time.monotonic()
@@ -118,6 +119,7 @@ def test_wait_for_port_backs_off_until_the_head_listens():
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_worker_joins_from_env_and_head_wait_returns(cluster):
     root = cluster["root"]
@@ -137,6 +139,7 @@ def test_worker_joins_from_env_and_head_wait_returns(cluster):
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_network_env_reaches_actor_on_worker(cluster):
     a, b, root = cluster["a"], cluster["b"], cluster["root"]
@@ -167,6 +170,7 @@ def _doctor(cluster, path: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_doctor_passes_across_two_hosts(cluster):
     done = _doctor(cluster, cluster["root"] / "shared")
@@ -180,6 +184,7 @@ def test_doctor_passes_across_two_hosts(cluster):
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_doctor_fails_with_fix_when_checkpoint_path_not_shared(cluster):
     done = _doctor(cluster, cluster["root"] / "private")  # a tmpfs on the worker, a plain dir on the head
@@ -192,6 +197,7 @@ def test_doctor_fails_with_fix_when_checkpoint_path_not_shared(cluster):
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_status_then_down_stops_only_what_up_started_and_releases_the_worker(cluster):
     a, b, root, env = cluster["a"], cluster["b"], cluster["root"], cluster["env"]
