@@ -10,7 +10,7 @@ from torch import nn
 from fleetrl.batch import Batch
 from fleetrl.config.schema import OptimConfig
 from fleetrl.engines.training import TrainingEngine
-from fleetrl.workers.messages import MiniBatchCounts, UpdateMetrics, UpdateSpec
+from fleetrl.workers.messages import MiniBatchCounts, UpdateSpec
 from fleetrl.workers.update import run_update
 
 LR = 0.01
@@ -92,11 +92,10 @@ def test_non_finite_steps_are_skipped_and_counted_not_averaged():
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
 
 
-def test_reduce_adds_shares_and_keeps_same_from_rank_zero():
-    # Two ranks' shares of a global mean: 0.25 + 0.5 = 0.75; grad norm/lr agree after the all-reduce.
-    ranks = [UpdateMetrics.of({"actor/pg_loss": 0.25, "actor/entropy": 1.0}, {"actor/grad_norm": 2.0, "actor/lr": 0.1}),
-             UpdateMetrics.of({"actor/pg_loss": 0.5, "actor/entropy": 1.5}, {"actor/grad_norm": 2.0, "actor/lr": 0.1})]
-    assert UpdateMetrics.reduce(ranks) == {"actor/pg_loss": 0.75, "actor/entropy": 2.5, "actor/grad_norm": 2.0,
-                                           "actor/lr": 0.1}
+
+def test_returned_metrics_are_read_only():
+    engine = _engine()
+    out = run_update(engine, Batch({"v": torch.tensor([1.0, 3.0])}), _spec(1), epochs=1, micro_batch_size=2,
+                     loss_fn=CountingLoss(engine), prefix="actor")
     with pytest.raises(TypeError, match="does not support item assignment"):
-        ranks[0].shares["actor/pg_loss"] = 0.0  # type: ignore[index]
+        out.shares["actor/v_share"] = 0.0  # type: ignore[index]
