@@ -59,7 +59,7 @@ def run(shape: str, batch: int, seq: int, args) -> dict:
         update()
         seconds, peak_mem = time.perf_counter() - t0, 0.0
     flops = step_flops(model, batch, seq)
-    del model, opt
+    model = opt = None  # free the memory before the next shape (update() is not called again)
     gc.collect()
     return dict(shape=shape, micro_batch=batch, seq=seq, compiled=args.compile_layers, tokens=batch * seq, step_s=seconds,
                 tokens_per_s=batch * seq / seconds, tflops=flops / seconds / 1e12, peak_mem_gib=peak_mem)

@@ -5,13 +5,17 @@ Every estimator takes one `AdvantageInputs` and returns `(advantages_BT, returns
 their own advantages (grpo, drgrpo, rloo) or the un-whitened return-to-go (reinforce_plus_plus*).
 The trainer picks one by name: `ADVANTAGES.get(cfg.advantage)(inputs)`.
 
+Outcome estimators (OUTCOME_ESTIMATORS: grpo, drgrpo, rloo) see only `scores_B` and ignore
+`token_rewards_BT`, so a per-token KL penalty given there is silently lost; for them the penalty is folded
+into the score first with `fold_kl_into_scores`.
+
 All estimators run under `torch.no_grad()`: advantages are fixed targets for the policy update, and a
 critic's values must not receive gradient through them.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -58,6 +62,17 @@ class AdvantageInputs:
 AdvantageFn = Callable[[AdvantageInputs], tuple[Tensor, Tensor]]
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
+# Estimators that read only scores_B (one number per sequence) and ignore token_rewards_BT. Decided here, next
+# to the estimators, so the config/trainer asks once instead of re-deriving it; tests/algo/test_advantages.py
+# checks the set against what each estimator actually does with token rewards.
+OUTCOME_ESTIMATORS: frozenset[str] = frozenset({"grpo", "drgrpo", "rloo"})
+
+
+def is_outcome_estimator(name: str) -> bool:
+    """True when estimator `name` ignores per-token rewards (a KL-in-reward penalty must be folded first)."""
+    ADVANTAGES.get(name)  # an unknown name fails here, with a suggestion, rather than reading as "not outcome"
+    return name in OUTCOME_ESTIMATORS
+
 
 # ---------------------------------------------------------------------------------------------- helpers
 def place_scores_on_last_token(scores_B: Tensor, mask_BT: Tensor) -> Tensor:
@@ -73,6 +88,23 @@ def place_scores_on_last_token(scores_B: Tensor, mask_BT: Tensor) -> Tensor:
     kept_B = torch.where(last_B >= 0, scores_B, torch.zeros_like(scores_B))
     out_BT = torch.zeros(B, T, dtype=scores_B.dtype, device=scores_B.device)
     return out_BT.scatter(1, last_B.clamp_min(0).unsqueeze(1), kept_B.unsqueeze(1))
+
+
+@torch.no_grad()
+def fold_kl_into_scores(scores_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, coef: float) -> Tensor:
+    """[B] score_b - coef * sum_t kl_BT[b, t] over the response tokens (mask_BT == 1) of sequence b.
+
+    KL-in-reward for outcome estimators. PPO-style KL in the reward gives every token the reward -coef * kl_t and
+    the last token the score as well; an outcome estimator only sees one number per sequence, and the sum of
+    those token rewards is exactly score - coef * sum_t kl_t. This is also what verl computes for GRPO with
+    `use_kl_in_reward` (its GRPO advantage sums the KL-penalised token-level rewards). kl_BT: [B, T] per-token
+    estimate (e.g. `kl_estimate(logp, ref_logp, "k1")`), masked positions ignored whatever they hold.
+    """
+    if scores_B.shape != mask_BT.shape[:1] or kl_BT.shape != mask_BT.shape:
+        raise ValueError(f"fold_kl_into_scores: scores_B {tuple(scores_B.shape)} and kl_BT {tuple(kl_BT.shape)} "
+                         f"must be ({mask_BT.shape[0]},) and {tuple(mask_BT.shape)} to match mask_BT")
+    kl_sum_B = torch.where(mask_BT.bool(), kl_BT, torch.zeros_like(kl_BT)).sum(dim=1)
+    return scores_B - coef * kl_sum_B
 
 
 def gae_advantages(

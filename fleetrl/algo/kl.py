@@ -5,10 +5,17 @@ policy and log r = ref_logp - logp,
   k1 = -log r                unbiased, high variance, can be negative per token
   k2 = 0.5 * (log r)^2       biased, low variance, always >= 0
   k3 = (r - 1) - log r       unbiased, low variance, always >= 0
+
+k3 grows like e^|log r| when the policy puts far less mass on a token than the reference (log r >> 0): at
+logp - ref_logp = -5 it is 142 with gradient -147, at -20 it is 4.9e8, so one such token would dominate the KL
+term of a whole batch. It is therefore clamped to at most K3_MAX = 10, the bound verl (`core_algos.kl_penalty`,
+"low_var_kl") and OpenRLHF (`models/utils.compute_approx_kl`, "k3") both use; beyond it the token contributes
+a constant 10 and no gradient.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -20,6 +27,7 @@ KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 
 # exp() of a log-ratio above ~88 overflows float32; tokens that far apart carry no useful signal anyway.
 _LOG_RATIO_CLAMP = 20.0
+K3_MAX = 10.0  # upper bound of the k3 estimate (see the module docstring for where it comes from)
 
 
 @KL_ESTIMATORS.register("k1")
@@ -36,9 +44,12 @@ def k2(logp_BT: Tensor, ref_logp_BT: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def k3(logp_BT: Tensor, ref_logp_BT: Tensor) -> Tensor:
-    """[B, T] exp(ref - logp) - (ref - logp) - 1, log-ratio clamped to [-20, 20] before exp."""
+    """[B, T] exp(ref - logp) - (ref - logp) - 1, clamped to at most K3_MAX; log-ratio clamped to [-20, 20] first.
+
+    The clamp bounds both the value and the gradient of tokens the policy has moved far below the reference.
+    """
     log_r_BT = (ref_logp_BT - logp_BT).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    return torch.exp(log_r_BT) - log_r_BT - 1
+    return (torch.exp(log_r_BT) - log_r_BT - 1).clamp(max=K3_MAX)
 
 
 def kl_estimate(logp_BT: Tensor, ref_logp_BT: Tensor, kind: str) -> Tensor:

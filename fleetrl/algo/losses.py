@@ -6,7 +6,8 @@ Metrics are detached scalars, masked means over the valid tokens of the (micro-)
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -89,6 +90,7 @@ class PolicyLossFn(Protocol):
         self, logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *,
         clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "token-mean",
         num_tokens: float | None = None, num_seqs: float | None = None, norm_len: float | None = None,
+        is_weights_BT: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
@@ -97,6 +99,12 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 # A log-ratio beyond +-20 only happens with broken old log-probs; clamping keeps exp() finite so the
 # loss stays usable (and the clip / dual clip can still bound it) instead of turning into inf/NaN.
 _LOG_RATIO_CLAMP = 20.0
+
+
+def _weighted(loss_BT: Tensor, is_weights_BT: Tensor | None) -> Tensor:
+    # Per-token importance weights (rollout-mismatch correction, `fleetrl.algo.correction`) scale each token's
+    # loss; they are constants (no gradient). None leaves the loss untouched, bit for bit.
+    return loss_BT if is_weights_BT is None else loss_BT * is_weights_BT.detach()
 
 
 def _ratio(logp_BT: Tensor, old_logp_BT: Tensor) -> Tensor:
@@ -118,6 +126,7 @@ def ppo_policy_loss(
     logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *,
     clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "token-mean",
     num_tokens: float | None = None, num_seqs: float | None = None, norm_len: float | None = None,
+    is_weights_BT: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate. All tensors [B, T]; returns (scalar loss, metrics).
 
@@ -126,12 +135,24 @@ def ppo_policy_loss(
     dual_clip (Ye et al. 2020, > 1): for A < 0 the loss is further capped at -A * dual_clip, because the
     max above is unbounded in the ratio when A < 0 and one stale token could dominate the batch.
     Metrics: clip_frac (tokens where the clipped branch is the max), dual_clip_frac, approx_kl (k3 of
-    KL(pi_old || pi_theta)), ratio_mean.
+    KL(pi_old || pi_theta)), ratio_mean. is_weights_BT (all policy losses): optional [B, T] constant weights
+    multiplying each token's loss before aggregation (rollout-mismatch correction); None changes nothing.
     """
+    ratio_BT = _ratio(logp_BT, old_logp_BT)
+    loss_BT, metrics = _clipped_surrogate(ratio_BT, adv_BT, mask_BT, clip_low, clip_high, dual_clip)
+    metrics.update(_ratio_metrics(logp_BT, old_logp_BT, ratio_BT, mask_BT))
+    loss = aggregate(_weighted(loss_BT, is_weights_BT), mask_BT, agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                     norm_len=norm_len)
+    return loss, metrics
+
+
+def _clipped_surrogate(
+    ratio_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token max(-A * ratio, -A * clip(ratio)), optionally dual-clipped; (loss_BT, clip metrics)."""
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (it caps the loss at -A * dual_clip); got {dual_clip}. "
                          "Use e.g. 3.0, or None to disable")
-    ratio_BT = _ratio(logp_BT, old_logp_BT)
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
     loss_BT = torch.maximum(unclipped_BT, clipped_BT)
@@ -142,9 +163,7 @@ def ppo_policy_loss(
         dual_active_BT = (adv_BT < 0) & (loss_BT > cap_BT)
         loss_BT = torch.where(dual_active_BT, cap_BT, loss_BT)
     metrics["dual_clip_frac"] = masked_mean(dual_active_BT.float(), mask_BT)
-    metrics.update(_ratio_metrics(logp_BT, old_logp_BT, ratio_BT, mask_BT))
-    loss = aggregate(loss_BT, mask_BT, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
-    return loss, metrics
+    return loss_BT, metrics
 
 
 @POLICY_LOSSES.register("vanilla_pg")
@@ -152,6 +171,7 @@ def vanilla_pg_loss(
     logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *,
     clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "token-mean",
     num_tokens: float | None = None, num_seqs: float | None = None, norm_len: float | None = None,
+    is_weights_BT: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Unclipped policy gradient, loss = -A * ratio. All tensors [B, T]; clip arguments are ignored.
 
@@ -159,11 +179,70 @@ def vanilla_pg_loss(
     importance-weighted estimate. clip_frac and dual_clip_frac are reported as 0 for uniform logging.
     """
     ratio_BT = _ratio(logp_BT, old_logp_BT)
-    loss = aggregate(-adv_BT * ratio_BT, mask_BT, agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                     norm_len=norm_len)
+    loss = aggregate(_weighted(-adv_BT * ratio_BT, is_weights_BT), mask_BT, agg, num_tokens=num_tokens,
+                     num_seqs=num_seqs, norm_len=norm_len)
     zero = torch.zeros((), device=logp_BT.device)
     metrics = {"clip_frac": zero, "dual_clip_frac": zero}
     metrics.update(_ratio_metrics(logp_BT, old_logp_BT, ratio_BT, mask_BT))
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_policy_loss(
+    logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *,
+    clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "token-mean",
+    num_tokens: float | None = None, num_seqs: float | None = None, norm_len: float | None = None,
+    is_weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in the paper's GSPO-token form. [B, T].
+
+    s_b  = exp(mean over b's response tokens of (logp - old_logp))   sequence ratio, length-normalised
+    s_bt = sg(s_b) * exp(logp_bt - sg(logp_bt))                     value s_b, gradient s_b * grad logp_bt
+    loss_bt = max(-A_bt * s_bt, -A_bt * clip(s_bt, 1 - clip_low, 1 + clip_high)), dual clip as in 'ppo'.
+    Clipping acts on whole sequences (every token of b shares s_b). With one advantage per sequence and
+    agg="seq-mean-token-mean" (the paper's 1/G sum_b 1/|y_b| sum_t) the gradient is exactly that of sequence-
+    level GSPO, s_b / |y_b| * A_b * grad sum_t logp_bt; other aggregations weight sequences differently.
+    The paper clips at clip_low=3e-4, clip_high=4e-4, far tighter than PPO's 0.2, because a geometric mean of
+    token ratios stays much closer to 1; set algorithm.clip_low/clip_high accordingly.
+    Metrics as 'ppo'; clip_frac counts tokens (sequences weighted by length), ratio_mean is the mean of s_b.
+    """
+    seq_log_ratio_B = masked_mean(logp_BT - old_logp_BT, mask_BT, dim=1).detach()
+    seq_ratio_B1 = torch.exp(seq_log_ratio_B.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)).unsqueeze(1)
+    # exp(logp - sg(logp)) is exactly 1 in value and carries d/dlogp = 1: the token-level gradient path.
+    ratio_BT = seq_ratio_B1 * torch.exp(logp_BT - logp_BT.detach())
+    loss_BT, metrics = _clipped_surrogate(ratio_BT, adv_BT, mask_BT, clip_low, clip_high, dual_clip)
+    metrics.update(_ratio_metrics(logp_BT, old_logp_BT, ratio_BT, mask_BT))
+    loss = aggregate(_weighted(loss_BT, is_weights_BT), mask_BT, agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                     norm_len=norm_len)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_policy_loss(
+    logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *,
+    clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "token-mean",
+    num_tokens: float | None = None, num_seqs: float | None = None, norm_len: float | None = None,
+    is_weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax 2025, "MiniMax-M1", sec. 3.1): loss_bt = -sg(clip(ratio_bt, 1 - clip_low, 1 + clip_high))
+    * A_bt * logp_bt. All tensors [B, T].
+
+    PPO zeroes the gradient of clipped tokens, which in long reasoning drops the rare "fork" tokens whose ratio
+    moves most; CISPO clips the importance weight instead and treats it as a constant, so every token keeps a
+    REINFORCE gradient -w * A * grad logp with w bounded. The paper bounds w from above only (no lower bound);
+    clip_low=1.0 reproduces that (w >= 0). The loss VALUE depends on logp and is not comparable with 'ppo''s;
+    its gradient is what matters. dual_clip is ignored (w is already bounded), dual_clip_frac reported as 0.
+    Metrics: clip_frac = tokens whose weight was truncated; approx_kl, ratio_mean as 'ppo'.
+    """
+    ratio_BT = _ratio(logp_BT, old_logp_BT)
+    weight_BT = torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high).detach()
+    loss_BT = -adv_BT * weight_BT * logp_BT
+    truncated_BT = (ratio_BT < 1.0 - clip_low) | (ratio_BT > 1.0 + clip_high)
+    metrics = {"clip_frac": masked_mean(truncated_BT.float(), mask_BT),
+               "dual_clip_frac": torch.zeros((), device=logp_BT.device)}
+    metrics.update(_ratio_metrics(logp_BT, old_logp_BT, ratio_BT, mask_BT))
+    loss = aggregate(_weighted(loss_BT, is_weights_BT), mask_BT, agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                     norm_len=norm_len)
     return loss, metrics
 
 
@@ -234,7 +313,8 @@ def apply_kl_penalty(
 
     token_rewards = -coef * kl. scores_B [B] is only checked against the batch size and NOT added: the
     advantage estimator places the score on the last token itself (AdvantageInputs.token_rewards_BT),
-    and adding it here too would count it twice.
+    and adding it here too would count it twice. Outcome estimators (advantages.OUTCOME_ESTIMATORS) ignore
+    token rewards: fold the returned kl_BT into the scores with `fold_kl_into_scores` instead.
     """
     if scores_B.shape != mask_BT.shape[:1]:
         raise ValueError(f"scores_B has shape {tuple(scores_B.shape)}; expected ({mask_BT.shape[0]},) to "

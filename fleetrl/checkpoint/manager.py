@@ -5,7 +5,8 @@ Layout of OUT/checkpoints/step_N/ (written as step_N.tmp/, renamed when complete
                          so they load into any data-parallel size (sharded or not)
   workers/POOL_rR.pt     per-worker extras: LR scheduler, RNG states (torch, numpy, python)
   controller.pt          step, weights version, sampler position, KL controller, controller RNG
-  config.yaml            the run config (a changed config on resume is reported as a diff)
+  config.yaml            the run config, secrets redacted, mode 0600 (a changed config on resume is reported as a diff)
+  checksums.json         size and sha256 of every file above, checked before a resume trusts the checkpoint
   meta.json              step, model/tokenizer paths, dtype (what `fleetrl export` needs); written last
 """
 from __future__ import annotations
@@ -21,15 +22,16 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 import torch
 
 from fleetrl.checkpoint.export import CheckpointError, read_meta
-from fleetrl.config import dump_yaml
+from fleetrl.checkpoint.integrity import CHECKSUMS, COMPLETE_MARK, file_checksums, validate_checkpoint
+from fleetrl.config import dump_yaml, write_config
+from fleetrl.config.load import redact_yaml_text
 from fleetrl.config.schema import RunConfig
 
 if TYPE_CHECKING:
     from fleetrl.cluster.group import WorkerGroup
 
 log = logging.getLogger("fleetrl.checkpoint")
-COMPLETE_MARK = "meta.json"
-__all__ = ["CheckpointError", "Stateful", "find_resume", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "Stateful", "find_resume", "load_checkpoint", "save_checkpoint", "validate_checkpoint"]
 
 
 class Stateful(Protocol):
@@ -57,11 +59,13 @@ def save_checkpoint(out_dir: Path, step: int, *, groups: Sequence["WorkerGroup"]
     for group in groups:
         group.call_all(Worker.save_state, str(tmp))
     torch.save({name: part.state_dict() for name, part in state.items()}, tmp / "controller.pt")
-    (tmp / "config.yaml").write_text(dump_yaml(config))
+    write_config(tmp / "config.yaml", config)
     m = config.model
     meta = {"step": step, "model_path": m.path, "tokenizer_path": m.tokenizer or m.path, "dtype": m.dtype}
     if actor is not None:
         _save_delta(actor, config, root, step, tmp, meta)
+    (tmp / CHECKSUMS).write_text(json.dumps(file_checksums(tmp), indent=1))
+    meta["checksums"] = CHECKSUMS
     (tmp / COMPLETE_MARK).write_text(json.dumps(meta, indent=1))
     if final.exists():
         shutil.rmtree(final)
@@ -82,7 +86,10 @@ def load_checkpoint(path: Path, *, groups: Sequence["WorkerGroup"], state: Mappi
         group.call_all(Worker.load_state, str(path))
     for name, part in state.items():
         part.load_state_dict(saved[name])
-    diff = difflib.unified_diff((path / "config.yaml").read_text().splitlines(), dump_yaml(config).splitlines(),
+    # Both sides redacted: a secret neither leaks into the log nor shows up as a change (older checkpoints
+    # stored it in clear).
+    saved_yaml = redact_yaml_text((path / "config.yaml").read_text())
+    diff = difflib.unified_diff(saved_yaml.splitlines(), dump_yaml(config).splitlines(),
                                 "checkpoint config", "current config", lineterm="", n=0)
     return "\n".join(list(diff)[2:])
 
@@ -163,57 +170,18 @@ def find_resume(out_dir: Path, resume: str) -> Path | None:
             raise CheckpointError(f"trainer.resume={resume}: {problem}")
         return path
     root = checkpoint_root(out_dir)
+    problems = []
     for step in sorted(_steps(root), reverse=True):
         path = root / f"step_{step}"
         problem = validate_checkpoint(path)
         if problem is None:
             return path
         log.warning("skipping checkpoint %s: %s", path, problem)
-    return None
-
-
-def validate_checkpoint(path: Path) -> str | None:
-    """None when complete and readable; otherwise what is wrong."""
-    if not path.is_dir():
-        return "no such checkpoint directory"
-    if not (path / COMPLETE_MARK).is_file():
-        return f"incomplete (no {COMPLETE_MARK}; the save was interrupted)"
-    try:
-        torch.load(path / "controller.pt", weights_only=False)
-        for role_dir in ("actor", "critic"):
-            meta = path / role_dir / ".metadata"
-            if (path / role_dir).exists() and not meta.is_file():
-                return f"{role_dir}/ has no .metadata"
-        for f in list(path.glob("*/*.distcp")) + list((path / "workers").glob("*.pt")):
-            if f.stat().st_size == 0:
-                return f"{f.relative_to(path)} is empty (truncated)"
-        for f in (path / "workers").glob("*.pt"):
-            torch.load(f, weights_only=False)
-    except Exception as e:  # noqa: BLE001 — any unreadable file makes the checkpoint unusable
-        return f"unreadable ({type(e).__name__}: {e})"
-    return _check_distcp_sizes(path)
-
-
-def _check_distcp_sizes(path: Path) -> str | None:
-    """A truncated .distcp file is shorter than the byte ranges its .metadata promises."""
-    import pickle
-
-    for role_dir in ("actor", "critic"):
-        meta_file = path / role_dir / ".metadata"
-        if not meta_file.is_file():
-            continue
-        try:
-            with open(meta_file, "rb") as f:
-                meta = pickle.load(f)
-        except Exception as e:  # noqa: BLE001
-            return f"{role_dir}/.metadata unreadable ({e})"
-        ends: dict[str, int] = {}
-        for info in getattr(meta, "storage_data", {}).values():
-            rel = getattr(info, "relative_path", None)
-            if rel is not None:
-                ends[rel] = max(ends.get(rel, 0), info.offset + info.length)
-        for rel, end in ends.items():
-            f = path / role_dir / rel
-            if not f.is_file() or f.stat().st_size < end:
-                return f"{role_dir}/{rel} is truncated ({f.stat().st_size if f.is_file() else 0} < {end} bytes)"
+        problems.append(f"{path.name}: {problem}")
+    if problems:
+        # Starting from step 0 here would silently throw the run's progress away and mix a new run into its dir.
+        raise CheckpointError(f"trainer.resume=auto: none of the {len(problems)} checkpoints in {root} can be "
+                              "loaded (" + "; ".join(problems) + "). To start fresh instead, pass a new "
+                              "trainer.output_dir (or trainer.resume=never); to resume from one of them anyway, "
+                              "repair it and pass trainer.resume=PATH")
     return None

@@ -7,8 +7,9 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
-from fleetrl.cli.errors import user_errors
+from fleetrl.cli.errors import report, user_errors
 
 app = typer.Typer(help="fleetrl: RL post-training of LLMs on Ray (PPO, GRPO and relatives).",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -23,10 +24,20 @@ def train(config: str = typer.Argument(..., help="Run config YAML."),
           overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. actor.optim.lr=1e-6"),
           ) -> None:
     """Train with CONFIG (starts a local Ray cluster when cluster.address is not set)."""
+    from fleetrl.cluster.health import is_recoverable
     from fleetrl.trainer.run import train as run_train
+    from fleetrl.trainer.signals import Interrupted
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    run_train(config, list(overrides or []))
+    try:
+        run_train(config, list(overrides or []))
+    except Interrupted as e:  # the run already printed where it stopped and how to continue
+        raise typer.Exit(e.exit_code) from None
+    except Exception as e:
+        if not is_recoverable(e):
+            raise
+        report(e)  # a lost/stalled worker with no restarts left: the message is the diagnosis, not a traceback
+        raise typer.Exit(1) from None
 
 
 @config_app.command("show")
@@ -39,7 +50,7 @@ def config_show(config: str = typer.Argument(..., help="Run config YAML."),
 
     plan = plan_for(load_config(config, list(overrides or [])))
     console.rule("config")
-    console.print(dump_yaml(plan.config), highlight=False)
+    console.print(Text(dump_yaml(plan.config)))
     console.rule("plan")
     console.print_json(json.dumps(plan.summary()))
 
@@ -56,12 +67,18 @@ def export(checkpoint: str = typer.Argument(..., help="A checkpoint folder (OUT/
     from fleetrl.checkpoint.manager import export_via_deltas
 
     out = export_via_deltas(checkpoint, hf, dtype=dtype) if from_deltas else export_hf(checkpoint, hf, dtype=dtype)
-    console.print(f"wrote {out}")
+    console.print(Text(f"wrote {out}"), soft_wrap=True)
 
 
 from fleetrl.cli import ops  # noqa: E402  (cluster, doctor, jobs, recipes, reward server)
 
 ops.register(app)
+from fleetrl.cli import sweep as _sweep  # noqa: E402  (sweep, report)
+
+_sweep.register(app)
+from fleetrl.cli import data as data_cli  # noqa: E402  (data make)
+
+data_cli.register(app)
 
 if __name__ == "__main__":
     app()

@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from fleetrl.cli.errors import user_errors
 
@@ -56,7 +57,8 @@ def cluster_up(
     block: bool = typer.Option(False, "--block", help="Stay in the foreground until Ray (or the head) stops."),
 ) -> None:
     """Start Ray on this node as head or worker (role from flags, SLURM, dstack or torchrun variables)."""
-    from fleetrl.cluster.up import UpOptions, block_until_exit, cluster_up as up
+    from fleetrl.cluster.up import UpOptions, block_until_exit
+    from fleetrl.cluster.up import cluster_up as up
 
     up(UpOptions(head=head, address=address, port=port, node_ip=node_ip, expect_nodes=expect_nodes,
                  wait_timeout_s=wait_timeout, join_timeout_s=join_timeout, token_file=token_file,
@@ -78,10 +80,11 @@ def cluster_status(state_file: Optional[Path] = StateFile) -> None:
     if s.state is None:
         console.print("no Ray started by `fleetrl cluster up` on this node")
         raise typer.Exit(1)
-    console.print(f"{s.state.role} of {s.state.address} (pid {s.state.pid}, "
-                  f"{'running' if s.running else 'NOT running'}); token {s.state.token_masked}; log {s.state.log_path}")
+    console.print(Text(f"{s.state.role} of {s.state.address} (pid {s.state.pid}, "
+                       f"{'running' if s.running else 'NOT running'}); token {s.state.token_masked}; "
+                       f"log {s.state.log_path}"))
     if s.error:
-        console.print(f"[red]{s.error}[/]")
+        console.print(Text(str(s.error), style="red"))
     if s.nodes:
         table = Table("node", "alive", "CPU", "GPU", "memory GB")
         for n in s.nodes:
@@ -131,16 +134,26 @@ def submit(
     config: str = typer.Argument(..., help="Run config, relative to --working-dir."),
     overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides."),
     address: str = Address,
-    working_dir: Path = typer.Option(Path("."), "--working-dir", help="Uploaded to the cluster."),
-    env: Optional[List[str]] = typer.Option(None, "--env", help="KEY=VALUE for the job."),
+    working_dir: Path = typer.Option(Path("."), "--working-dir", help="Uploaded to the cluster (without outputs, "
+                                                                      ".git, .env, token and key files)."),
+    env: Optional[List[str]] = typer.Option(None, "--env", help="KEY=VALUE for the job, or KEY to pass this "
+                                                                "shell's value (keeps it out of argv)."),
     token_file: Optional[Path] = TokenFile,
 ) -> None:
-    """Submit `fleetrl train CONFIG overrides...` to the cluster as a Ray job; prints the job id."""
+    """Submit `fleetrl train CONFIG overrides...` to the cluster as a Ray job; prints the job id. The job joins
+    the cluster it is submitted to (cluster.address=auto) unless the config names an address."""
+    from fleetrl.cluster.jobs import env_from_args, secret_env_names
     from fleetrl.cluster.jobs import submit as submit_job
-    from fleetrl.cluster.netenv import parse_overrides
 
-    job_id = submit_job(address, config, list(overrides or []), working_dir=working_dir,
-                        env_vars=parse_overrides(env or []), token=_token(token_file))
+    env_vars = env_from_args(env or [])
+    secret = secret_env_names(env_vars)
+    if secret:
+        err_console.print(f"note: Ray keeps --env values ({', '.join(secret)}) in its job record for the cluster's "
+                          f"lifetime; to keep a secret out of it, export it before `fleetrl cluster up` on the "
+                          f"head or read it from a file with ${{file:PATH}} (docs/multinode.md)",
+                          soft_wrap=True, highlight=False, markup=False)
+    job_id = submit_job(address, config, list(overrides or []), working_dir=working_dir, env_vars=env_vars,
+                        token=_token(token_file))
     console.print(job_id)
 
 
@@ -151,7 +164,7 @@ def jobs_list(address: str = Address, token_file: Optional[Path] = TokenFile) ->
 
     table = Table("job", "status", "entrypoint", "message")
     for j in list_jobs(address, _token(token_file)):
-        table.add_row(j.job_id, j.status, j.entrypoint, j.message)
+        table.add_row(*(Text(str(v)) for v in (j.job_id, j.status, j.entrypoint, j.message)))
     console.print(table)
 
 
@@ -161,7 +174,7 @@ def jobs_status(job_id: str, address: str = Address, token_file: Optional[Path] 
     from fleetrl.cluster.jobs import job_status
 
     j = job_status(address, job_id, _token(token_file))
-    console.print(f"{j.job_id}: {j.status}  {j.message}\n  {j.entrypoint}", highlight=False)
+    console.print(Text(f"{j.job_id}: {j.status}  {j.message}\n  {j.entrypoint}"), highlight=False)
 
 
 @_user_errors
@@ -220,15 +233,22 @@ def dstack(
 def serve_reward(
     fn: str = typer.Option(..., "--fn", help="Scorer: path/to/file.py:fn or a builtin name."),
     host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
-    token: Optional[str] = typer.Option(None, "--token", envvar="FLEETRL_REWARD_TOKEN",
-                                        help="Bearer token; required when --host is not loopback."),
+    token_file: Optional[Path] = typer.Option(None, "--token-file", help="File holding the bearer token "
+                                              "(default: FLEETRL_REWARD_TOKEN); required beyond loopback."),
+    token: Optional[str] = typer.Option(None, "--token", help="Bearer token (visible in `ps`: prefer "
+                                                              "--token-file or FLEETRL_REWARD_TOKEN)."),
     max_body_bytes: int = typer.Option(64 * 2**20, "--max-body-bytes"),
     timeout: float = typer.Option(30.0, "--timeout", help="Per-sample scoring limit (s)."),
+    max_connections: int = typer.Option(32, "--max-connections", help="Requests handled at once; more get 503."),
+    read_timeout: float = typer.Option(10.0, "--read-timeout", help="Seconds a client may take to send a request "
+                                                                    "head, or stall while sending a body."),
 ) -> None:
     """Serve a reward function over HTTP (GET /health, POST /score)."""
-    from fleetrl.rewards.server import ServeOptions, serve
+    from fleetrl.rewards.server import ServeOptions, resolve_token, serve
 
-    serve(ServeOptions(fn=fn, host=host, port=port, token=token, max_body_bytes=max_body_bytes, timeout_s=timeout))
+    serve(ServeOptions(fn=fn, host=host, port=port, token=resolve_token(token, token_file),
+                       max_body_bytes=max_body_bytes, timeout_s=timeout, max_connections=max_connections,
+                       read_timeout_s=read_timeout))
 
 
 def register(app: typer.Typer) -> None:

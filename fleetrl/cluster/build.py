@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from fleetrl.cluster.envcheck import resolve_device_env
 from fleetrl.cluster.group import WorkerGroup
@@ -12,7 +13,7 @@ from fleetrl.config.plan import Plan
 log = logging.getLogger("fleetrl.cluster")
 
 
-def build_groups(plan: Plan) -> dict[str, WorkerGroup]:
+def build_groups(plan: Plan, run_dir: Path | None = None) -> dict[str, WorkerGroup]:
     cfg = plan.config.cluster
     if cfg.backend == "local":
         return {name: WorkerGroup(plan, name, backend="local") for name in plan.pools}
@@ -22,7 +23,7 @@ def build_groups(plan: Plan) -> dict[str, WorkerGroup]:
     groups: dict[str, WorkerGroup] = {}
     try:
         for name in plan.pools:
-            groups[name] = WorkerGroup(plan, name, backend="ray", env=env)
+            groups[name] = WorkerGroup(plan, name, backend="ray", env=env, run_dir=run_dir)
     except BaseException:
         for g in groups.values():
             g.shutdown()

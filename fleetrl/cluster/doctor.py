@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 HEAD_RESOURCE = "node:__internal_head__"  # Ray gives this resource to the head node only
@@ -228,7 +229,9 @@ def render(results: Iterable[CheckResult], console: Console | None = None) -> bo
     ok = True
     for r in results:
         ok &= r.ok
-        table.add_row("[green]✓[/]" if r.ok else "[red]✗[/]", r.name, r.detail, r.fix if not r.ok else "")
+        # details and fixes quote error text (paths, `[/...]` log lines): literal Text, never markup
+        table.add_row("[green]✓[/]" if r.ok else "[red]✗[/]", Text(r.name), Text(r.detail),
+                      Text(r.fix if not r.ok else ""))
     (console or Console()).print(table)
     return ok
 

@@ -7,7 +7,9 @@ the master address for the pool's process group.
 from __future__ import annotations
 
 import os
+import signal
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import ray
@@ -15,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fleetrl.batch import Batch
 from fleetrl.cluster.placement import bundle_nodes, create_pool_group
+from fleetrl.cluster.watchdog import Call, Deadlines, watch
 from fleetrl.config.plan import Plan
 from fleetrl.workers.context import WorkerContext
 from fleetrl.workers.worker import Worker
@@ -32,7 +35,8 @@ class _RayWorker(Worker):
 
 
 class WorkerGroup:
-    def __init__(self, plan: Plan, pool_name: str, *, backend: str = "ray", env: dict[str, str] | None = None) -> None:
+    def __init__(self, plan: Plan, pool_name: str, *, backend: str = "ray", env: dict[str, str] | None = None,
+                 run_dir: Path | None = None) -> None:
         self.plan = plan
         self.pool = plan.pools[pool_name]
         self.backend = backend
@@ -40,12 +44,17 @@ class WorkerGroup:
         self.pg = None
         self.overhead_s = 0.0
         self.bus_ready = False  # weight bus to a separate rollout pool connected (cluster/weight_sync.py)
+        self.step = 0  # set by the controller each step: stall reports and dumps name it
+        self.run_dir = run_dir
+        self.deadlines = Deadlines(plan.config.cluster)
+        self.infos: list[dict] = [{} for _ in range(self.world_size)]
         timeout = plan.config.cluster.init_timeout_s
         if backend == "local":
             self.workers: list[Any] = [Worker(self._ctx(0))]
         else:
             self.workers = self._spawn(env or {})
         addr, port = self._get([self._invoke(self.workers[0], Worker.master_address)], timeout)[0][0]
+        self.infos = self.call_all(Worker.node_info, timeout=timeout)  # pid/node of each rank, for stall reports
         self.call_all(Worker.init_dist, addr, port, timeout, timeout=timeout)
         self.call_all(Worker.build, timeout=timeout)
 
@@ -72,21 +81,45 @@ class WorkerGroup:
 
     # ---------------------------------------------------------------- calls
     def call_all(self, method: Callable, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Every rank runs `method(*args)`. `timeout` fixes the deadline (set-up calls); otherwise the watchdog's."""
         t0 = time.perf_counter()
-        return self._timed_get([self._invoke(w, method, *args) for w in self.workers], timeout, t0)
+        return self._timed_get([self._invoke(w, method, *args) for w in self.workers], method, timeout, t0)
 
     def call_parts(self, method: Callable, parts: Sequence[Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """Rank r gets parts[r] (then the same `args` as every rank)."""
         assert len(parts) == self.world_size, (len(parts), self.world_size)
         t0 = time.perf_counter()
-        return self._timed_get([self._invoke(w, method, p, *args) for w, p in zip(self.workers, parts)], timeout, t0)
+        return self._timed_get([self._invoke(w, method, p, *args) for w, p in zip(self.workers, parts)], method,
+                               timeout, t0)
 
-    def _timed_get(self, refs: list[Any], timeout: float | None, t0: float) -> list[Any]:
+    def _timed_get(self, refs: list[Any], method: Callable, timeout: float | None, t0: float) -> list[Any]:
         """Results of Worker.timed calls; adds (call wall time - slowest worker's own compute) to overhead_s, the
         time Ray itself costs (serialisation, scheduling, transfer) as seen by the controller."""
-        pairs = self._get(refs, timeout)
-        self.overhead_s += max(0.0, time.perf_counter() - t0 - max(dt for _, dt in pairs))
+        verb = method.__name__
+        if timeout is None and self.backend == "ray":
+            pairs = self._watched(refs, verb)
+        else:
+            pairs = self._get(refs, timeout)
+        wall = time.perf_counter() - t0
+        self.deadlines.record(verb, wall)
+        self.overhead_s += max(0.0, wall - max(dt for _, dt in pairs))
         return [r for r, _ in pairs]
+
+    def calls(self, refs: list[Any]) -> list[Call]:
+        """The watchdog's view of one ref per rank of this group."""
+        return [Call(ref=r, handle=w, pool=self.pool.name, rank=i, info=self.infos[i])
+                for i, (r, w) in enumerate(zip(refs, self.workers))]
+
+    def stall_dir(self) -> Path | None:
+        return None if self.run_dir is None else self.run_dir / "stalls" / f"step_{self.step}"
+
+    def _watched(self, refs: list[Any], verb: str) -> list[Any]:
+        c = self.plan.config.cluster
+        try:
+            return watch(self.calls(refs), verb=verb, timeout_s=self.deadlines.of(verb), stall_s=c.stall_s,
+                         stall_dir=self.stall_dir(), step=self.step)
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as e:
+            raise WorkerLostError(f"pool '{self.pool.name}': a worker died: {e}") from e
 
     def call_split(self, method: Callable, batch: Batch, *args: Any, timeout: float | None = None) -> Batch:
         """Splits the batch balanced by tokens over the ranks, runs, and returns results in the input order."""
@@ -100,7 +133,7 @@ class WorkerGroup:
             return worker.timed(method.__name__, *args)
         return worker.timed.remote(method.__name__, *args)
 
-    def _get(self, refs: list[Any], timeout: float | None) -> list[Any]:
+    def _get(self, refs: list[Any], timeout: float) -> list[Any]:
         if self.backend == "local":
             return refs
         try:
@@ -130,6 +163,7 @@ class WorkerGroup:
                 ray.kill(w, no_restart=True)
             except Exception:  # already dead
                 pass
+        _kill_local_frozen(self.infos)
         if self.pg is not None:
             try:
                 ray.util.remove_placement_group(self.pg)
@@ -137,13 +171,25 @@ class WorkerGroup:
                 pass
 
 
-def _get_fail_fast(refs: list[Any], timeout: float | None) -> list[Any]:
-    """Like ray.get(refs), but raises as soon as ANY call fails: when one rank dies, the others may block in a
-    collective until its timeout, and ray.get would wait on them first."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+def _kill_local_frozen(infos: list[dict]) -> None:
+    """ray.kill asks the worker to exit; a SIGSTOPped or hung process cannot. Workers of this group on the
+    driver's node are ended by PID as well (remote ones are ended by their raylet when the actor is killed)."""
+    here = ray.get_runtime_context().get_node_id()
+    for info in infos:
+        if info.get("node_id") == here and info.get("pid"):
+            try:
+                os.kill(int(info["pid"]), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _get_fail_fast(refs: list[Any], timeout: float) -> list[Any]:
+    """Like ray.get(refs) with a deadline, but raises as soon as ANY call fails: when one rank dies, the others may
+    block in a collective until its timeout, and ray.get would wait on them first."""
+    deadline = time.monotonic() + timeout
     pending = list(refs)
     while pending:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        left = max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not ready:
             raise ray.exceptions.GetTimeoutError(f"{len(pending)} call(s) still running")

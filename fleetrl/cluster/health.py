@@ -1,17 +1,29 @@
 """Failure classification and the bounded wait for capacity after a loss."""
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import ray
 
 from fleetrl.cluster.group import WorkerLostError
-from fleetrl.cluster.placement import PlacementError, check_feasible, cluster_nodes
+from fleetrl.cluster.placement import NodeResources, PlacementError, check_feasible, cluster_nodes
+from fleetrl.cluster.watchdog import StallError
 from fleetrl.cluster.weight_sync import WeightSyncError
-from fleetrl.config.plan import Plan
+from fleetrl.config.plan import Plan, PoolPlan, fallback_plan
+from fleetrl.rewards.remote import RewardServerLostError
 
-_RECOVERABLE = (WorkerLostError, WeightSyncError, ray.exceptions.RayActorError, ray.exceptions.NodeDiedError,
-                ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError)
+log = logging.getLogger("fleetrl.cluster")
+
+# A reward server that stopped answering is a lost worker too: the restart's start-up health check either
+# finds it back or stops the run with a clear message (RemoteRewardError, not recoverable).
+_RECOVERABLE = (WorkerLostError, WeightSyncError, StallError, RewardServerLostError, ray.exceptions.RayActorError,
+                ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError)
+
+Decision = Literal["ready", "wait", "short"]
 
 
 def is_recoverable(exc: BaseException) -> bool:
@@ -26,14 +38,81 @@ def is_recoverable(exc: BaseException) -> bool:
     return False
 
 
-def wait_for_capacity(plan: Plan, timeout_s: float, poll_s: float = 2.0) -> None:
+@dataclass(frozen=True)
+class ClusterView:
+    """What the wait decides on: alive nodes, nodes Ray reports dead (by IP), nodes being launched."""
+
+    alive: list[NodeResources]
+    dead: list[str] = field(default_factory=list)
+    pending: int = 0
+
+
+def observe_cluster() -> ClusterView:
+    dead = sorted({n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive")})
+    return ClusterView(cluster_nodes(), dead, _pending_nodes())
+
+
+def _pending_nodes() -> int:
+    """Nodes an autoscaler is launching (0 when there is no autoscaler, as with `fleetrl cluster up`)."""
+    try:
+        from ray.autoscaler.v2.sdk import get_cluster_status
+
+        status = get_cluster_status(ray.get_runtime_context().gcs_address, timeout=2)
+        return len(status.pending_nodes) + len(status.pending_launches)
+    except Exception:  # noqa: BLE001 — no autoscaler (v2) status: nothing is known to be on its way
+        return 0
+
+
+def capacity_decision(pools: list[PoolPlan], view: ClusterView, wait_for_new_nodes: bool) -> Decision:
+    """ready: the plan fits now. wait: it may fit soon (resources being released, or nodes may join).
+    short: even idle, the alive nodes cannot hold it and no node is on its way, so waiting cannot help."""
+    try:
+        check_feasible(pools, view.alive)
+        return "ready"
+    except PlacementError:
+        pass
+    if wait_for_new_nodes or view.pending:
+        return "wait"
+    # Torn-down placement groups free their resources a moment later: judge by totals, not by what is free now.
+    idle = [replace(n, available=dict(n.total)) for n in view.alive]
+    try:
+        check_feasible(pools, idle)
+        return "wait"
+    except PlacementError:
+        return "short"
+
+
+def wait_for_capacity(plan: Plan, timeout_s: float, poll_s: float = 2.0, *, wait_for_new_nodes: bool | None = None,
+                      observe: Callable[[], ClusterView] = observe_cluster) -> None:
+    """Returns once the cluster can hold `plan`; PlacementError after timeout_s, or at once when it is short.
+
+    `wait_for_new_nodes` (default: only when the plan has no cluster.fallback_pools) keeps waiting while the alive
+    nodes are too few, for a replacement started by hand. With a fallback there is something better to do than
+    wait for a node Ray already reports dead, so a short cluster fails fast and the fallback runs on this restart.
+    """
+    if wait_for_new_nodes is None:
+        wait_for_new_nodes = fallback_plan(plan) is None
+    pools = list(plan.pools.values())
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            check_feasible(list(plan.pools.values()), cluster_nodes())
+        view = observe()
+        decision = capacity_decision(pools, view, wait_for_new_nodes)
+        if decision == "ready":
             return
-        except PlacementError as e:
-            if time.monotonic() > deadline:
-                raise PlacementError(f"after a failure the cluster did not regain room for the plan within "
-                                     f"{timeout_s:g}s (trainer.restart_wait_s):\n{e}") from None
+        if decision == "short" or time.monotonic() > deadline:
+            raise PlacementError(_wait_message(pools, view, decision, timeout_s))
         time.sleep(poll_s)
+
+
+def _wait_message(pools: list[PoolPlan], view: ClusterView, decision: Decision, timeout_s: float) -> str:
+    try:
+        check_feasible(pools, view.alive)
+        detail = ""
+    except PlacementError as e:
+        detail = str(e)
+    dead = f" (Ray reports node(s) {', '.join(view.dead)} dead)" if view.dead else ""
+    if decision == "short":
+        return (f"after a failure the alive nodes cannot hold the plan even when idle{dead}, and no node is being "
+                f"launched; not waiting trainer.restart_wait_s for it:\n{detail}")
+    return (f"after a failure the cluster did not regain room for the plan within {timeout_s:g}s "
+            f"(trainer.restart_wait_s){dead}:\n{detail}")

@@ -1,8 +1,15 @@
 """`fleetrl submit` and `fleetrl jobs ...`: runs on a cluster through Ray's job API (the dashboard port).
 
-A submitted run ships the working directory (code and configs; large outputs excluded) and runs
-`python -m fleetrl.cli.main train CONFIG overrides...` on the head, so the cluster needs fleetrl's
-dependencies but not this checkout installed.
+A submitted run ships the working directory (code and configs; large outputs and secret files excluded) and
+runs `python -m fleetrl.cli.main train CONFIG overrides... cluster.address=auto` on the head, so the cluster needs
+fleetrl's dependencies but not this checkout installed. `cluster.address=auto` (unless the config or an override
+names an address) makes the job's driver join the cluster it was submitted to: without it, `fleetrl train`
+starts a second, private Ray on the head, whose runtime env setup fails.
+
+Secrets: Ray keeps a job's entrypoint and runtime env (so `--env` values) in its job record, readable through
+the job API for as long as the cluster lives. Secret-named overrides are therefore refused; the job record
+metadata lists only the names of `--env` variables, and the docs steer secrets into the environment of
+`fleetrl cluster up` or a file (`${file:PATH}`), which no job record holds.
 """
 from __future__ import annotations
 
@@ -12,15 +19,23 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence, TextIO
 
+import yaml
+
 from fleetrl.cluster import auth
+from fleetrl.config.load import is_secret_key
 
 # Never upload these: outputs and caches grow past Ray's working_dir size limit and are not code.
-DEFAULT_EXCLUDES = (".git", "runs", "checkpoints", "outputs", "wandb", "mlruns", ".venv", "__pycache__",
-                    "*.pt", "*.safetensors", "*.bin", "*.ckpt")
+OUTPUT_EXCLUDES = (".git", "runs", "checkpoints", "outputs", "wandb", "mlruns", ".venv", "__pycache__", ".whl",
+                   "*.pt", "*.safetensors", "*.bin", "*.ckpt", "*.whl")
+# Nor these: credentials people keep beside their code. Not `*token*`: that would also drop a local model's
+# tokenizer.json and special_tokens_map.json.
+SECRET_EXCLUDES = (".env", ".env.*", "*.env", "*token", "*.token", "*token.txt", "*token.json", "*_token.*",
+                   "*-token.*", "*secret*", "*.pem", "*.key", ".netrc", ".ray")
+DEFAULT_EXCLUDES = OUTPUT_EXCLUDES + SECRET_EXCLUDES
 AGENT_WAIT_S = 60.0
 
 
@@ -32,12 +47,69 @@ class JobInfo:
     message: str
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SubmissionSpec:
+    """Everything sent to the job API for one submission (built without a cluster, so it can be checked)."""
+
+    entrypoint: str
+    runtime_env: dict[str, Any]
+    metadata: dict[str, str] = field(default_factory=dict)
+    """Ray keeps this in the job record: names only, never values."""
+
+
 def train_entrypoint(config: str, overrides: Sequence[str] = ()) -> str:
     """The shell command a submitted run executes: `python -m fleetrl.cli.main train CONFIG k=v ...`."""
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not key=value (e.g. trainer.total_steps=100)")
+        key = item.partition("=")[0].strip()
+        if is_secret_key(key.rsplit(".", 1)[-1]) and not item.partition("=")[2].startswith("${"):
+            raise ValueError(f"override {key}=... would be kept in clear in the cluster's job record; pass "
+                             f"{key}='${{env:NAME}}' with --env NAME (or ${{file:PATH}} on the cluster) instead")
     return shlex.join(["python", "-m", "fleetrl.cli.main", "train", config, *overrides])
+
+
+def with_cluster_address(config_path: Path, overrides: Sequence[str]) -> list[str]:
+    """`overrides` plus `cluster.address=auto` unless an override or the config file already names an address:
+    a submitted driver must join the cluster that runs it."""
+    if any(o.partition("=")[0].strip() == "cluster.address" for o in overrides):
+        return list(overrides)
+    try:
+        raw = yaml.safe_load(Path(config_path).read_text()) or {}
+        address = (raw.get("cluster") or {}).get("address") if isinstance(raw, dict) else None
+    except (OSError, yaml.YAMLError, AttributeError):
+        address = None  # `fleetrl train` on the cluster reports an unreadable config; auto is right either way
+    return list(overrides) if address is not None else [*overrides, "cluster.address=auto"]
+
+
+def submission_spec(config: str, overrides: Sequence[str] = (), *, working_dir: Path = Path("."),
+                    env_vars: Mapping[str, str] | None = None) -> SubmissionSpec:
+    """The job a `fleetrl submit` sends: train entrypoint joining this cluster, upload without secrets."""
+    overrides = with_cluster_address(Path(working_dir) / config, overrides)
+    return SubmissionSpec(entrypoint=train_entrypoint(config, overrides),
+                          runtime_env=runtime_env(working_dir, env_vars),
+                          metadata={"fleetrl_env_names": ",".join(sorted(env_vars or {}))})
+
+
+def env_from_args(items: Sequence[str], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """`--env K=V` -> {K: V}; `--env K` takes K's value from this shell, so a secret never sits in argv."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not key:
+            raise ValueError(f"--env {item!r} is not KEY=VALUE or KEY (e.g. --env NCCL_DEBUG=INFO)")
+        if not sep:
+            if key not in environ:
+                raise ValueError(f"--env {key}: {key} is not set in this shell; export it or pass --env {key}=VALUE")
+            value = environ[key]
+        out[key] = value
+    return out
+
+
+def secret_env_names(env_vars: Mapping[str, str]) -> list[str]:
+    """Names of `--env` variables that look like credentials (their values land in Ray's job record)."""
+    return sorted(k for k in env_vars if is_secret_key(k))
 
 
 def runtime_env(working_dir: Path, env_vars: Mapping[str, str] | None = None,
@@ -55,20 +127,26 @@ def submit(address: str, config: str, overrides: Sequence[str] = (), *, working_
            env_vars: Mapping[str, str] | None = None, token: auth.ClusterToken | None = None,
            submission_id: str | None = None) -> str:
     """Submits a training run; returns the job id."""
-    return submit_entrypoint(address, train_entrypoint(config, overrides), working_dir=working_dir,
-                             env_vars=env_vars, token=token, submission_id=submission_id)
+    return _submit_spec(address, submission_spec(config, overrides, working_dir=working_dir, env_vars=env_vars),
+                        token, submission_id)
 
 
 def submit_entrypoint(address: str, entrypoint: str, *, working_dir: Path = Path("."),
                       env_vars: Mapping[str, str] | None = None, token: auth.ClusterToken | None = None,
                       submission_id: str | None = None) -> str:
     """Submits any shell command with the same runtime env as a training run."""
-    env = runtime_env(working_dir, env_vars)
+    return _submit_spec(address, SubmissionSpec(entrypoint=entrypoint, runtime_env=runtime_env(working_dir, env_vars)),
+                        token, submission_id)
+
+
+def _submit_spec(address: str, spec: SubmissionSpec, token: auth.ClusterToken | None,
+                 submission_id: str | None) -> str:
     client = _client(address, token)
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         try:
-            return client.submit_job(entrypoint=entrypoint, runtime_env=env, submission_id=submission_id)
+            return client.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
+                                     metadata=spec.metadata or None, submission_id=submission_id)
         except RuntimeError as e:
             # Right after `cluster up` the job API answers before the node's job agent has registered.
             if "No available agent" not in str(e) or time.monotonic() > deadline:

@@ -1,5 +1,8 @@
 """Network environment for collectives (NCCL, Gloo), from a named profile plus explicit overrides.
 
+Without a profile, NCCL and Gloo are still pinned to the interface of the node's Ray IP (`fleetrl.netif`), so
+cross-node process groups never advertise a loopback address; `--env` overrides win over both.
+
 The result is written into the environment of the `ray start` process: the raylet inherits it and passes
 it to every worker it spawns, so every actor on the node sees the same NCCL/Gloo settings without each
 run repeating them in a runtime env.
@@ -11,10 +14,9 @@ first collective across nodes then hangs.
 """
 from __future__ import annotations
 
-import fcntl
-import socket
-import struct
 from typing import Mapping, Sequence
+
+from fleetrl.netif import interface_for_ip, socket_ifname_env
 
 PROFILES: dict[str, dict[str, str]] = {
     "ib": {
@@ -52,31 +54,22 @@ def parse_overrides(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def network_env(profile: str | None, overrides: Mapping[str, str], *, node_ip: str) -> dict[str, str]:
-    """The profile's variables (with `{iface}` filled in for `node_ip`), then `overrides` on top."""
+def network_env(profile: str | None, overrides: Mapping[str, str], *, node_ip: str,
+                interfaces: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The profile's variables (with `{iface}` filled in for `node_ip`), or without a profile the socket
+    interface of `node_ip` when this node has it; then `overrides` on top. `interfaces`: {name: IPv4}
+    (default: this machine's)."""
     if profile is not None and profile not in PROFILES:
         raise ValueError(f"unknown network profile {profile!r}; choose one of {sorted(PROFILES)} "
                          f"or pass variables with --env KEY=VALUE")
-    values = dict(PROFILES.get(profile, {})) if profile else {}
+    if profile is None:
+        return {**socket_ifname_env(node_ip, interfaces), **overrides}
+    values = dict(PROFILES[profile])
     if any("{iface}" in v for v in values.values()):
-        iface = interface_for_ip(node_ip)
+        iface = interface_for_ip(node_ip, interfaces)
         if iface is None:
             raise ValueError(f"profile {profile!r} pins NCCL/Gloo to the interface carrying {node_ip}, but no "
                              f"interface on this node has that address; check --node-ip-address or set "
                              f"--env NCCL_SOCKET_IFNAME=... --env GLOO_SOCKET_IFNAME=...")
         values = {k: v.replace("{iface}", iface) for k, v in values.items()}
     return {**values, **overrides}
-
-
-def interface_for_ip(ip: str) -> str | None:
-    """Name of the local interface whose IPv4 address is `ip` (SIOCGIFADDR per interface), or None."""
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # interface without an IPv4 address
-                continue
-            if socket.inet_ntoa(packed[20:24]) == ip:
-                return name
-    return None

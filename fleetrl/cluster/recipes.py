@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+
 import yaml
 
 from fleetrl.cluster.netenv import PROFILES

@@ -18,9 +18,12 @@ def ensure_ray(cfg: ClusterConfig) -> bool:
     # Workers inherit the driver's env unless told otherwise; pin their threads so a 2-core machine with several
     # workers does not oversubscribe (users override through cluster.env).
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **cfg.env}
-    kwargs = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env},
-                  configure_logging=True, logging_level=logging.WARNING)
+    kwargs = {"include_dashboard": False, "log_to_driver": True, "runtime_env": {"env_vars": env},
+              "configure_logging": True, "logging_level": logging.WARNING}
     if cfg.address is None:
+        # A sweep runs several local clusters side by side: each gets its own temp dir (sockets, logs,
+        # session files) and namespace; Ray picks free ports for GCS, raylet and workers.
+        kwargs.update(_isolation_from_env())
         # address="local" so a stale cluster file from another run can't make us join the wrong cluster.
         ray.init(address="local", num_cpus=cfg.num_cpus or os.cpu_count(), **kwargs)
         log.info("started a local Ray cluster")
@@ -29,3 +32,14 @@ def ensure_ray(cfg: ClusterConfig) -> bool:
         ray.init(address=cfg.address, **kwargs)
         log.info("joined Ray cluster at %s", cfg.address)
     return True
+
+
+def _isolation_from_env() -> dict:
+    """`fleetrl sweep` sets FLEETRL_RAY_TMPDIR / FLEETRL_RAY_NAMESPACE per run (the temp dir is kept short:
+    Unix socket paths inside it are limited to 107 bytes)."""
+    out: dict = {}
+    if os.environ.get("FLEETRL_RAY_TMPDIR"):
+        out["_temp_dir"] = os.environ["FLEETRL_RAY_TMPDIR"]
+    if os.environ.get("FLEETRL_RAY_NAMESPACE"):
+        out["namespace"] = os.environ["FLEETRL_RAY_NAMESPACE"]
+    return out

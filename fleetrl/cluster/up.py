@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fleetrl.cluster import auth, netenv
 from fleetrl.cluster.roles import RoleDecision, detect_role
+from fleetrl.config.load import redact_secrets, write_private
 
 STARTED_MARKER = "Ray runtime started"
 
@@ -93,6 +94,10 @@ def cluster_up(opts: UpOptions, *, env: Mapping[str, str] = os.environ, console:
         wait_for_port(decision.head_host, decision.port, timeout_s=opts.join_timeout_s, console=console)
     node_ip = opts.node_ip or detect_node_ip(decision.head_host)
     extra_env = netenv.network_env(opts.net_profile, netenv.parse_overrides(opts.env), node_ip=node_ip)
+    if "GLOO_SOCKET_IFNAME" not in extra_env:
+        console.print(f"[yellow]warning:[/] no interface here carries {node_ip}; Gloo/NCCL pick their own and may "
+                      f"advertise a loopback address to other nodes; set --env GLOO_SOCKET_IFNAME=IFACE "
+                      f"--env NCCL_SOCKET_IFNAME=IFACE", soft_wrap=True)
     if decision.is_head and opts.dashboard_host not in ("127.0.0.1", "localhost"):
         console.print(f"[yellow]warning:[/] the dashboard and job API listen on {opts.dashboard_host}; anyone "
                       f"who reaches port {opts.dashboard_port} can submit jobs if they hold the token, and "
@@ -245,7 +250,7 @@ def block_until_exit(state_file: Path | None = None, *, poll_s: float = 5.0, hea
     exits). A worker returns 0 once the head has stopped answering for `head_gone_polls` polls (the run
     ended and the head went down), stopping its own Ray first; 1 when Ray died by itself. SIGTERM/SIGINT
     stop Ray and return 0."""
-    def _stop(signum, frame):  # noqa: ARG001
+    def _stop(signum, _frame):
         raise KeyboardInterrupt
     state_file = state_file or default_state_file()
     state = read_state(state_file)
@@ -293,8 +298,9 @@ def _launch(decision: RoleDecision, opts: UpOptions, node_ip: str, token: auth.C
             start_ticks=_start_ticks(proc.pid) or 0, log_path=str(log_path),
             dashboard_url=f"http://{opts.dashboard_host}:{opts.dashboard_port}" if decision.is_head else None,
             token_file=str(token.path.resolve()) if token.path else None, token_masked=token.masked,
-            env=extra_env)
-        state_file.write_text(json.dumps(asdict(state), indent=2))  # written first: `down` can always clean up
+            env=redact_secrets(extra_env))  # a record for people: `--env HF_TOKEN=...` must not land in it
+        # written first, so `down` can always clean up; 0600: it names the token file
+        write_private(state_file, json.dumps(asdict(state), indent=2))
         _wait_started(proc, log_path, opts.start_timeout_s, state_file)
     return state
 

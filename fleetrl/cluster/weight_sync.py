@@ -5,6 +5,7 @@ from __future__ import annotations
 import ray
 
 from fleetrl.cluster.group import WorkerGroup
+from fleetrl.cluster.watchdog import watch
 
 BUCKET_BYTES = 64 << 20
 
@@ -38,7 +39,11 @@ def broadcast_weights(actor: WorkerGroup, rollout: WorkerGroup, version: int, ti
         raise WeightSyncError("a separate rollout pool needs cluster.backend=ray")
     if not actor.bus_ready:
         connect_bus(actor, rollout, timeout_s)
-    send = [w.bus_send.remote(BUCKET_BYTES) for w in actor.workers]
-    recv = [w.bus_receive.remote(BUCKET_BYTES, version) for w in rollout.workers]
-    sent = _wait(send + recv, timeout_s * 2, f"weight broadcast v{version}")
+    send = actor.calls([w.bus_send.remote(BUCKET_BYTES) for w in actor.workers])
+    recv = rollout.calls([w.bus_receive.remote(BUCKET_BYTES, version) for w in rollout.workers])
+    try:  # the watchdog: a receiver that stops taking buckets is a stall within cluster.stall_s, named
+        sent = watch(send + recv, verb="weight_sync", timeout_s=timeout_s * 2,
+                     stall_s=actor.plan.config.cluster.stall_s, stall_dir=actor.stall_dir(), step=actor.step)
+    except ray.exceptions.RayTaskError as e:
+        raise WeightSyncError(f"weight broadcast v{version} failed: {e.cause if hasattr(e, 'cause') else e}") from e
     return int(sent[0])

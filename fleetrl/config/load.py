@@ -1,9 +1,16 @@
-"""YAML + dotted overrides -> a typed, frozen RunConfig. Every error names the key path and the fix."""
+"""YAML + dotted overrides -> a typed, frozen RunConfig. Every error names the key path and the fix.
+
+Secrets: a string value `${env:NAME}` or `${file:PATH}` is read from that environment variable or file at load
+time, so config files and argv never hold them. Every dump of a config (`dump_yaml`, `redacted_dict`) replaces
+the value of any key ending in token/secret/password/api_key with "***".
+"""
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
 import difflib
+import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -35,7 +42,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
             raise ConfigError(f"{p}: the top level must be a mapping of sections (model:, data:, ...)")
     for item in overrides:
         apply_override(raw, item)
-    return build(RunConfig, raw, "")
+    return build(RunConfig, resolve_refs(raw, ""), "")
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -70,8 +77,76 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
-def dump_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+SECRET_SUFFIXES = ("token", "secret", "password", "api_key")
+REDACTED = "***"
+_REF = re.compile(r"^\$\{(env|file):([^}]+)\}$")
+
+
+def is_secret_key(name: Any) -> bool:
+    """`remote_token`, `WANDB_API_KEY`, `db_password`... (but not `max_new_tokens`: suffix, not substring)."""
+    return isinstance(name, str) and name.lower().endswith(SECRET_SUFFIXES)
+
+
+def redact_secrets(data: Any) -> Any:
+    """Plain data (from `to_dict` or YAML) with every set secret-named value replaced by "***"; None stays None
+    so a dump still shows whether a secret was given."""
+    if isinstance(data, Mapping):
+        return {k: REDACTED if is_secret_key(k) and v not in (None, "") else redact_secrets(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [redact_secrets(v) for v in data]
+    return data
+
+
+def redacted_dict(cfg: Any) -> Any:
+    """`to_dict(cfg)` with secrets redacted: what trackers (W&B, MLflow) and any other record may receive."""
+    return redact_secrets(to_dict(cfg))
+
+
+def dump_yaml(cfg: RunConfig, *, redact: bool = True) -> str:
+    """The config as YAML; secrets redacted unless `redact=False` (only for a process that needs them)."""
+    data = redacted_dict(cfg) if redact else to_dict(cfg)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def redact_yaml_text(text: str) -> str:
+    """A config.yaml written by any fleetrl version, re-dumped with its secrets redacted (for diffs and logs)."""
+    return yaml.safe_dump(redact_secrets(yaml.safe_load(text) or {}), sort_keys=False)
+
+
+def write_private(path: str | Path, text: str) -> None:
+    """Writes `text` to `path` readable by its owner only (0600), also when the file existed with wider bits."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
+def write_config(path: str | Path, cfg: RunConfig) -> None:
+    """config.yaml of a run or checkpoint: redacted, and 0600 in case a secret hides under another key name."""
+    write_private(path, dump_yaml(cfg))
+
+
+def resolve_refs(raw: Any, where: str) -> Any:
+    """Replaces `${env:NAME}` / `${file:PATH}` strings by the variable's value / the file's text (one trailing
+    newline stripped). A missing variable or file names the key and how to provide it."""
+    if isinstance(raw, dict):
+        return {k: resolve_refs(v, _join(where, str(k))) for k, v in raw.items()}
+    if isinstance(raw, list):
+        return [resolve_refs(v, f"{where}[{i}]") for i, v in enumerate(raw)]
+    m = _REF.match(raw) if isinstance(raw, str) else None
+    if m is None:
+        return raw
+    kind, name = m.group(1), m.group(2).strip()
+    if kind == "env":
+        if name not in os.environ:
+            raise ConfigError(f"{where}: {raw} names environment variable {name}, which is not set; export "
+                              f"{name}=... before running (with `fleetrl submit`, also --env {name})")
+        return os.environ[name]
+    p = Path(name).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{where}: {raw} names file {str(p)!r}, which does not exist; write the secret "
+                          f"there (chmod 600) or use ${{env:NAME}}")
+    return p.read_text().removesuffix("\n")
 
 
 # --------------------------------------------------------------------------------------- typed building

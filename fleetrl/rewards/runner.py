@@ -13,6 +13,14 @@ worker process of a timed-out call IS terminated. Process workers start with `mp
 safe alongside CUDA/Ray threads); they resolve scorer specs themselves, so a scorer added to SCORERS at run
 time in the parent is only seen by "fork" workers, and a script using process isolation needs the usual
 `if __name__ == "__main__":` guard under spawn.
+
+Isolation `auto` (the default) starts with threads, which cost nothing and see every scorer, and switches to
+process workers the first time a call times out: from then on a timed-out call is terminated instead of
+leaving a thread behind. A scorer whose last HUNG_AFTER calls all timed out (none returned in between) is
+treated as hung for the rest of the batch: its queued samples are not run and count as failed. So a scorer
+that never returns costs about ceil(HUNG_AFTER / num_workers) × timeout_s per batch, not one timeout per
+sample. A scorer that fails (error, timeout or skipped) on more than `max_failure_rate` of its samples in a
+batch raises ScorerFailureError, as soon as that is certain, instead of training on default scores.
 """
 from __future__ import annotations
 
@@ -25,28 +33,19 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from fleetrl.rewards.errors import RewardError
-from fleetrl.rewards.registry import RewardRouter, resolve_scorer
+from fleetrl.rewards.failures import HUNG_AFTER, MAX_ERROR_MESSAGES, RewardResult, Tally, check_failure_rate
+from fleetrl.rewards.registry import SCORERS, RewardRouter, resolve_scorer
 
 logger = logging.getLogger("fleetrl.rewards")
 
-MAX_ERROR_MESSAGES = 5
 WORKER_START_TIMEOUT_S = 120.0  # a spawned worker re-imports Python modules; slow file systems take a while
-
-
-@dataclass
-class RewardResult:
-    """Per-sample scores (failed calls get the runner's default score) and what went wrong."""
-
-    scores: list[float]
-    num_errors: int = 0
-    num_timeouts: int = 0
-    errors: list[str] = field(default_factory=list)  # the first MAX_ERROR_MESSAGES messages
-    extras: list[dict] = field(default_factory=list)  # per sample: the non-"score" keys a scorer returned
+ISOLATIONS = ("auto", "thread", "process")
+# What a spawned worker can resolve: file specs and the builtins (names registered at run time exist only here).
+_CHILD_SCORERS = frozenset(SCORERS)
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -98,6 +97,10 @@ class _Worker:
             self._proc.start()
             child.close()
 
+    @property
+    def is_thread(self) -> bool:
+        return self._proc is None
+
     def wait_ready(self) -> None:
         try:
             if not self.conn.poll(WORKER_START_TIMEOUT_S):
@@ -132,17 +135,22 @@ class RewardRunner:
     """Scores a batch of responses with the scorers `router` picks, num_workers calls at a time."""
 
     def __init__(self, router: RewardRouter, *, timeout_s: float = 10.0, default_score: float = 0.0,
-                 num_workers: int = 4, isolation: str = "thread", mp_context: str = "spawn") -> None:
-        if isolation not in ("thread", "process"):
-            raise RewardError(f"rewards.isolation must be 'thread' or 'process', got {isolation!r}")
+                 num_workers: int = 4, isolation: str = "auto", mp_context: str = "spawn",
+                 max_failure_rate: float = 1.0) -> None:
+        if isolation not in ISOLATIONS:
+            raise RewardError(f"rewards.isolation must be one of {ISOLATIONS}, got {isolation!r}")
         if not timeout_s > 0 or num_workers < 1:
             raise RewardError(f"rewards.timeout_s must be > 0 and rewards.num_workers >= 1; got "
                               f"timeout_s={timeout_s}, num_workers={num_workers}")
+        if not 0.0 <= max_failure_rate <= 1.0:
+            raise RewardError(f"rewards.max_failure_rate must be in [0, 1] (1 = never stop), got {max_failure_rate}")
         self.router = router
         self.timeout_s = timeout_s
         self.default_score = default_score
         self.num_workers = num_workers
         self.isolation = isolation
+        self.max_failure_rate = max_failure_rate
+        self._mp_context = mp_context
         self._ctx = multiprocessing.get_context(mp_context) if isolation == "process" else None
         self._idle: list[_Worker] = []
         self._logged: set[str] = set()
@@ -152,14 +160,17 @@ class RewardRunner:
 
     def score(self, responses: list[str], ground_truths: list, data_sources: list[str],
               extra_infos: list[dict]) -> RewardResult:
-        """One score per response; failures and timeouts get `default_score` and are counted, never raised."""
+        """One score per response; failures get `default_score` and are counted. Raises ScorerFailureError
+        when a scorer fails on more than max_failure_rate of its samples (checked per call, i.e. per step)."""
         n = len(responses)
         if not (len(ground_truths) == len(data_sources) == len(extra_infos) == n):
             raise ValueError(f"RewardRunner.score: lengths differ (responses {n}, ground_truths "
                              f"{len(ground_truths)}, data_sources {len(data_sources)}, extra_infos {len(extra_infos)})")
         specs = [self.router.spec_for(ds) for ds in data_sources]
         tasks = [(s, r, g, e or {}) for s, r, g, e in zip(specs, responses, ground_truths, extra_infos)]
-        return self._collect(self._run(tasks), specs, data_sources)
+        result = self._collect(self._run(tasks, _interleaved([repr(g) for g in ground_truths])), specs, data_sources)
+        check_failure_rate(result, self.max_failure_rate, f"per-sample limit rewards.timeout_s={self.timeout_s:g}")
+        return result
 
     def close(self) -> None:
         _close_all(self._idle)
@@ -171,11 +182,13 @@ class RewardRunner:
         self.close()
 
     # ------------------------------------------------------------------------------------- dispatching
-    def _run(self, tasks: list[tuple]) -> list[tuple[str, Any]]:
-        """("ok", value) | ("error", message) | ("timeout", None) for each task, in order."""
+    def _run(self, tasks: list[tuple], order: list[int]) -> list[tuple[str, Any]]:
+        """("ok", value) | ("error", message) | ("timeout", on_thread) | ("skipped" | "abandoned", why) per task;
+        tasks are dispatched in `order`."""
         outcomes: list[tuple[str, Any]] = [("error", "not run")] * len(tasks)
-        todo = deque(range(len(tasks)))
+        todo = deque(order)
         busy: dict[Connection, tuple[_Worker, int, float]] = {}
+        tally = Tally([t[0] for t in tasks], self.max_failure_rate)
         while todo or busy:
             self._dispatch(tasks, todo, busy, outcomes)
             if not busy:
@@ -185,11 +198,17 @@ class RewardRunner:
                 worker, i, _ = busy.pop(conn)  # type: ignore[call-overload]
                 try:
                     outcomes[i] = conn.recv()  # type: ignore[union-attr]
-                    self._idle.append(worker)
+                    self._keep(worker)
                 except (EOFError, OSError):
                     outcomes[i] = ("error", "the reward worker died during the call (crash or exit in the scorer)")
                     worker.kill()
-            self._expire(busy, outcomes)
+                tally.returned(tasks[i][0], failed=outcomes[i][0] != "ok")
+            for i in self._expire(busy, outcomes):
+                self._escalate(tasks[i][0])
+                if tally.timed_out(tasks[i][0]):
+                    self._skip_hung(tasks[i][0], tasks, todo, outcomes, tally)
+            if tally.certain_to_fail():  # the batch will raise anyway: stop paying for the rest of it
+                self._abandon(busy, todo, outcomes)
         return outcomes
 
     def _dispatch(self, tasks: list[tuple], todo: deque, busy: dict, outcomes: list) -> None:
@@ -207,26 +226,72 @@ class RewardRunner:
                 continue
             busy[worker.conn] = (worker, todo.popleft(), time.monotonic())
 
+    def _keep(self, worker: _Worker) -> None:
+        if worker.is_thread and self._ctx is not None:  # escalated to processes while this call ran
+            worker.close()
+        else:
+            self._idle.append(worker)
+
     def _fill_idle(self, want: int) -> None:
-        fresh = [_Worker(self._ctx) for _ in range(want - len(self._idle))]
-        for worker in fresh:  # started together, waited for together: spawn start-up overlaps
-            worker.wait_ready()
+        try:
+            fresh = [_Worker(self._ctx) for _ in range(want - len(self._idle))]
+            for worker in fresh:  # started together, waited for together: spawn start-up overlaps
+                worker.wait_ready()
+        except RuntimeError:
+            if self.isolation != "auto" or self._ctx is None:
+                raise
+            # e.g. a script without the `if __name__ == "__main__":` guard that spawn needs: keep threads.
+            logger.warning("rewards.isolation=auto could not start reward worker processes; staying with threads "
+                           "(a timed-out call keeps running in the background)")
+            self._ctx = None
+            fresh = [_Worker(None) for _ in range(want - len(self._idle))]
         self._idle.extend(fresh)
 
-    def _expire(self, busy: dict, outcomes: list) -> None:
-        now = time.monotonic()
+    def _expire(self, busy: dict, outcomes: list) -> list[int]:
+        """Marks calls older than timeout_s as timed out, stops their workers; returns their task indices."""
+        now, expired = time.monotonic(), []
         for conn, (worker, i, start) in list(busy.items()):
             if now - start >= self.timeout_s:
                 del busy[conn]
-                outcomes[i] = ("timeout", None)
+                outcomes[i] = ("timeout", worker.is_thread)  # which kind decides what became of the call
+                expired.append(i)
                 worker.kill()
-                if self._ctx is None:
-                    self.num_abandoned_threads += 1
+                self.num_abandoned_threads += worker.is_thread
+        return expired
+
+    def _escalate(self, spec: str) -> None:
+        """isolation=auto: after a timeout, new workers are processes, so the next timed-out call is killed."""
+        if self.isolation != "auto" or self._ctx is not None or (":" not in spec and spec not in _CHILD_SCORERS):
+            return
+        logger.warning("a reward call timed out after %gs; rewards.isolation=auto now scores in worker processes "
+                       "so that timed-out calls are terminated, not left running", self.timeout_s)
+        _close_all(self._idle)  # idle threads are replaced by processes as calls are dispatched
+        self._ctx = multiprocessing.get_context(self._mp_context)
+
+    def _skip_hung(self, spec: str, tasks: list, todo: deque, outcomes: list, tally: Tally) -> None:
+        why = f"not run: the scorer timed out on {HUNG_AFTER} calls in a row in this batch"
+        for i in [i for i in todo if tasks[i][0] == spec]:
+            todo.remove(i)
+            outcomes[i] = ("skipped", why)
+            tally.skipped(spec)
+
+    def _abandon(self, busy: dict, todo: deque, outcomes: list) -> None:
+        # "abandoned", not "skipped": these samples' scorers did nothing wrong and are not counted as failing.
+        why = f"not run: the batch already failed rewards.max_failure_rate={self.max_failure_rate:g}"
+        for worker, i, _ in busy.values():
+            worker.kill()
+            self.num_abandoned_threads += worker.is_thread
+            outcomes[i] = ("abandoned", why)
+        busy.clear()
+        while todo:
+            outcomes[todo.popleft()] = ("abandoned", why)
 
     # ---------------------------------------------------------------------------------------- results
     def _collect(self, outcomes: list[tuple[str, Any]], specs: list[str], sources: list[str]) -> RewardResult:
         result = RewardResult(scores=[])
         for i, (kind, value) in enumerate(outcomes):
+            result.samples_by_scorer[specs[i]] = result.samples_by_scorer.get(specs[i], 0) + 1
+            result.sources_by_scorer.setdefault(specs[i], set()).add(sources[i])
             if kind == "ok":
                 try:
                     score, extras = _as_score(value)
@@ -237,9 +302,15 @@ class RewardRunner:
                     kind, value = "error", str(exc)
             result.scores.append(float(self.default_score))
             result.extras.append({})
+            if kind == "abandoned":
+                result.num_skipped += 1
+                continue
+            result.failed_by_scorer[specs[i]] = result.failed_by_scorer.get(specs[i], 0) + 1
             if kind == "timeout":
                 result.num_timeouts += 1
-                value = f"no result within {self.timeout_s}s" + self._abandon_note()
+                value = f"no result within {self.timeout_s}s" + self._abandon_note(on_thread=bool(value))
+            elif kind == "skipped":
+                result.num_skipped += 1
             else:
                 result.num_errors += 1
             message = f"reward scorer {specs[i]!r} failed on sample {i} (data_source {sources[i]!r}): {value}"
@@ -248,8 +319,8 @@ class RewardRunner:
             self._log_once(specs[i], message)
         return result
 
-    def _abandon_note(self) -> str:
-        if self._ctx is not None:
+    def _abandon_note(self, on_thread: bool) -> str:
+        if not on_thread:
             return " (its worker process was terminated)"
         return (f" (a thread cannot be killed: the call keeps running in the background, "
                 f"{self.num_abandoned_threads} abandoned so far; rewards.isolation=process terminates it)")
@@ -259,6 +330,19 @@ class RewardRunner:
             self._logged.add(spec)
             logger.warning("%s; later failures of this scorer are counted in the reward metrics, not logged",
                            message)
+
+
+def _interleaved(keys: list[str]) -> list[int]:
+    """Sample indices reordered so that consecutive calls have different ground truths where the batch allows:
+    [a, a, a, b, b, c] -> [a, b, c, a, b, a] (indices 0, 3, 5, 1, 4, 2). The n samples of one prompt then do not
+    take every worker at once, so a scorer that hangs on one prompt's answer neither blocks the other prompts
+    nor strings HUNG_AFTER timeouts together and gets mistaken for a scorer that hangs on everything."""
+    seen: dict[str, int] = {}
+    rank = []
+    for key in keys:
+        rank.append(seen.get(key, 0))
+        seen[key] = rank[-1] + 1
+    return sorted(range(len(keys)), key=lambda i: (rank[i], i))
 
 
 def _close_all(workers: list[_Worker]) -> None:

@@ -4,11 +4,14 @@ A ground truth may be a list/tuple of acceptable answers for every scorer here; 
 """
 from __future__ import annotations
 
+import logging
 import re
 import string
+import threading
+from collections.abc import Callable
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 from fleetrl.rewards.errors import RewardError
 
@@ -41,8 +44,10 @@ def prefix_match(response: str, ground_truth: Any, extra_info: dict) -> float:
 
 
 # --------------------------------------------------------------------------------------------------- gsm8k
-# An optional sign and dollar sign, then digits with thousands commas and an optional decimal part.
-_NUMBER = re.compile(r"-?\$?-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+# An optional sign and dollar sign, then an integer part and an optional decimal part. Commas count only as
+# thousands separators (groups of exactly 3 digits: "1,234"), so a list such as "2,3" reads as two numbers.
+_INTEGER = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
+_NUMBER = re.compile(rf"-?\$?-?(?:{_INTEGER}(?:\.\d+)?|\.\d+)")
 
 
 def _parse_number(token: str) -> Fraction | None:
@@ -73,17 +78,28 @@ def gsm8k(response: str, ground_truth: Any, extra_info: dict) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- math
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
+
+
 def last_boxed(text: str) -> str | None:
-    """Contents of the last \\boxed{...} (or \\fbox{...}), with nested braces balanced; None if absent."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
+    """Contents of the last \\boxed{...} (or \\fbox{...}), nested braces balanced; None if absent or cut off.
+
+    The brace-less form `\\boxed 5` (TeX takes the next token as the argument) gives the text up to the next
+    whitespace or `$`.
+    """
+    boxes = list(_BOX.finditer(text))
+    if not boxes:
         return None
-    open_at = text.index("{", start)
+    rest = text[boxes[-1].end():]
+    if not rest.lstrip().startswith("{"):
+        bare = re.match(r"\s+([^\s$]+)", rest)
+        return bare.group(1) if bare else None
+    open_at = len(rest) - len(rest.lstrip())
     depth = 0
-    for i in range(open_at, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
+    for i in range(open_at, len(rest)):
+        depth += {"{": 1, "}": -1}.get(rest[i], 0)
         if depth == 0:
-            return text[open_at + 1:i]
+            return rest[open_at + 1:i]
     return None  # unbalanced: the response was cut off inside the box
 
 
@@ -108,7 +124,7 @@ def normalize_math(answer: str) -> str:
 
 _FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
 _SLASH = re.compile(r"^(-?\d+)/(-?\d+)$")
-_DECIMAL = re.compile(r"^-?(?:\d[\d,]*(?:\.\d*)?|\.\d+)$")
+_DECIMAL = re.compile(rf"^-?(?:{_INTEGER}(?:\.\d*)?|\.\d+)$")
 
 
 def math_value(normalized: str) -> Fraction | None:
@@ -126,22 +142,72 @@ def math_value(normalized: str) -> Fraction | None:
     return None
 
 
-def math_answer(response: str, ground_truth: Any, extra_info: dict) -> float:
-    """MATH-style: the last \\boxed{} answer equals the ground truth after `normalize_math`.
+MATH_VERIFY_TIMEOUT_S = 5  # per parse / per comparison; sympy can take unbounded time on adversarial input
 
-    Numeric answers compare as exact fractions (\\frac{1}{2} == 1/2 == 0.5); others compare as normalized
-    strings. A ground truth that itself contains \\boxed{} (a full solution) is reduced to its box first.
+
+def _math_verify_equal(predicted: str, truth: str) -> bool | None:
+    """math-verify's verdict on two LaTeX answers (no \\boxed), or None when it cannot parse one of them
+    (it returns nothing, or only the raw string back without a mathematical object).
+
+    math-verify bounds its own run time with signal.alarm, which only works on the main thread: elsewhere its
+    timeout wrapper fails and it silently answers "not equal". Off the main thread (the reward runner's thread
+    workers) its timeout is therefore switched off and the runner's per-call `rewards.timeout_s` is the bound
+    (a runaway call is abandoned; `rewards.isolation=process` also kills it, and runs math-verify on the worker
+    process's main thread, where its own timeout applies).
+    """
+    # Imported lazily: it loads sympy and a LaTeX parser (~1 s), which scorer-free commands need not pay for.
+    from math_verify import parse, verify
+
+    _quiet_timeout_notice()
+    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    # $...$ makes both sides LaTeX math, which keeps "1, 2" a list (a bare "1, 2" reads as just 2).
+    gold = parse(f"${truth}$", parsing_timeout=timeout)
+    pred = parse(f"${predicted}$", parsing_timeout=timeout)
+    if not _has_math(gold) or not _has_math(pred):
+        return None
+    return bool(verify(gold, pred, timeout_seconds=timeout))
+
+
+class _DropTimeoutNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+@lru_cache(maxsize=1)
+def _quiet_timeout_notice() -> None:
+    # math-verify warns once per process and module when its timeout is off. Here that is deliberate (the
+    # runner bounds the call, see above), so only that notice is dropped; its other warnings still show.
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_DropTimeoutNotice())
+
+
+def _has_math(parsed: list) -> bool:
+    return any(not isinstance(item, str) for item in parsed)
+
+
+def _normalized_equal(predicted: str, truth: str) -> bool:
+    left, right = normalize_math(predicted), normalize_math(truth)
+    value = math_value(left)
+    return left == right or (value is not None and value == math_value(right))
+
+
+def math_answer(response: str, ground_truth: Any, extra_info: dict) -> float:
+    """MATH-style: the last \\boxed{} answer of the response is equivalent to the ground truth.
+
+    Equivalence is decided by `math-verify` (Hugging Face; symbolic, so \\frac{1}{2} == 0.5, \\sqrt3 ==
+    \\sqrt{3}, 5\\text{ cm} == 5, and "2, 3" is a list, never 23). Only when math-verify cannot parse one side
+    does the comparison fall back to `normalize_math` (exact fractions, else normalized strings). A response
+    with no box scores 0; a ground truth that itself contains \\boxed{} (a full solution) is reduced to its box.
     """
     boxed = last_boxed(response)
     if boxed is None:
         return 0.0
-    predicted = normalize_math(boxed)
-    value = math_value(predicted)
     for truth in _candidates(ground_truth):
-        expected = normalize_math(last_boxed(truth) or truth)
-        if predicted == expected:
-            return 1.0
-        if value is not None and value == math_value(expected):
+        expected = last_boxed(truth) or truth
+        verdict = _math_verify_equal(boxed, expected)
+        if verdict is None:
+            verdict = _normalized_equal(boxed, expected)
+        if verdict:
             return 1.0
     return 0.0
 

@@ -2,22 +2,37 @@
 
     GET  /health -> {"status": "ok", "scorer": SPEC}
     POST /score  {"responses": [...], "ground_truths": [...], "data_sources": [...], "extra_infos": [...]}
-              -> {"scores": [...], "num_errors": N, "num_timeouts": N, "errors": [...]}
+              -> {"scores": [...], "num_errors": N, "num_timeouts": N, "num_skipped": N, "errors": [...],
+                  "scorer": SPEC}
 
 Scoring goes through the same RewardRunner as local rewards, so a stuck or crashing scorer costs one
 sample's default score, never a hung request. Every route needs `Authorization: Bearer TOKEN` when a token
 is set, and a token is mandatory whenever the server listens beyond loopback. Bodies above
 `max_body_bytes` are refused with 413 before they are read.
+
+A server meant to face a network must not let idle or half-sent connections use it up (slowloris). One
+selector thread accepts connections and reads each request's head without blocking; a connection gets a
+handler thread only once its head is complete, and at most `max_connections` handler threads exist (beyond
+that: 503 at once). A head not complete within `read_timeout_s`, or a body read that stalls for as long, closes
+the connection; at most `max_pending` connections may be waiting for their head (beyond that: closed at
+accept). Every answer closes its connection, so an idle keep-alive never holds a thread.
 """
 from __future__ import annotations
 
 import hmac
+import io
 import ipaddress
 import json
 import logging
+import os
+import selectors
+import socket
 import threading
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 from typing import Any
 
 from fleetrl.rewards.registry import RewardRouter
@@ -25,6 +40,9 @@ from fleetrl.rewards.runner import RewardRunner
 
 log = logging.getLogger("fleetrl.rewards.server")
 FIELDS = ("responses", "ground_truths", "data_sources", "extra_infos")
+MAX_HEAD_BYTES = 64 * 2**10
+TOKEN_ENV = "FLEETRL_REWARD_TOKEN"
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,41 +57,179 @@ class ServeOptions:
     """Per-sample limit inside the server; a sample over it gets default_score."""
     default_score: float = 0.0
     num_workers: int = 8
+    max_connections: int = 32
+    """Requests handled at once (one thread each); more get 503 at once, never a queued thread."""
+    read_timeout_s: float = 10.0
+    """A request's head must arrive within this; a body read may stall at most this long."""
+    max_pending: int = 512
+    """Connections that may wait for their request head at once (file descriptors only, no threads)."""
+
+
+def resolve_token(token: str | None, token_file: Path | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The server's token from --token-file, else FLEETRL_REWARD_TOKEN, else --token (visible in `ps`: warned)."""
+    if token and token_file:
+        raise ValueError("pass either --token-file or --token, not both (prefer --token-file or "
+                         f"{TOKEN_ENV}: a --token on the command line is visible to every user in `ps`)")
+    if token_file is not None:
+        try:
+            text = Path(token_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--token-file {token_file}: cannot read it ({e.strerror}); write the token there "
+                             f"(e.g. `openssl rand -hex 32 > {token_file}; chmod 600 {token_file}`)") from None
+        if not text:
+            raise ValueError(f"--token-file {token_file} is empty; write the token there")
+        return text
+    if environ.get(TOKEN_ENV):
+        return environ[TOKEN_ENV]
+    if token:
+        log.warning("--token on the command line is visible to other users in `ps`; prefer --token-file or %s",
+                    TOKEN_ENV)
+    return token or None
 
 
 class RewardServer:
-    """A ThreadingHTTPServer serving one scorer; `serve_forever()` blocks, `close()` stops it."""
+    """Serves one scorer; `serve_forever()` blocks (the accept/head-reading loop), `close()` stops it."""
 
     def __init__(self, opts: ServeOptions) -> None:
         if not opts.token and not _is_loopback(opts.host):
-            raise ValueError(f"--host {opts.host} exposes the reward server beyond this machine; pass --token "
-                             f"SECRET (clients send it as a Bearer token) or bind --host 127.0.0.1")
+            raise ValueError(f"--host {opts.host} exposes the reward server beyond this machine; set a token "
+                             f"(--token-file FILE or {TOKEN_ENV}; clients send it as a Bearer token) or bind "
+                             f"--host 127.0.0.1")
+        if opts.max_connections < 1 or opts.max_pending < 1 or not opts.read_timeout_s > 0:
+            raise ValueError(f"max_connections and max_pending must be >= 1 and read_timeout_s > 0; got "
+                             f"{opts.max_connections}, {opts.max_pending}, {opts.read_timeout_s}")
         # "*" routes every data source to this scorer (family defaults like "math" never apply).
         self.runner = RewardRunner(RewardRouter({"*": opts.fn}), timeout_s=opts.timeout_s,
                                    default_score=opts.default_score, num_workers=opts.num_workers)
         self.opts = opts
         self._lock = threading.Lock()  # one batch at a time through the runner; a batch runs in parallel
-        self.httpd = ThreadingHTTPServer((opts.host, opts.port), _handler_for(self))
-        self.httpd.daemon_threads = True
+        self._slots = threading.BoundedSemaphore(opts.max_connections)
+        self._handler = _handler_for(self)
+        self._listener = socket.create_server((opts.host, opts.port), backlog=128)
+        self._listener.setblocking(False)
+        host, port = self._listener.getsockname()[:2]
+        self._url = f"http://{host}:{port}"
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()  # until serve_forever runs
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return self._url
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.2)
+        self._stopped.clear()
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        pending: dict[socket.socket, tuple[bytearray, float, Any]] = {}  # conn -> (head so far, deadline, addr)
+        try:
+            while not self._stopping.is_set():
+                for key, _ in sel.select(timeout=0.5):
+                    if key.fileobj is self._listener:
+                        self._accept(sel, pending)
+                    elif key.fileobj is not self._wake_r:
+                        self._read_head(sel, pending, key.fileobj)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn in [c for c, (_, deadline, _) in pending.items() if deadline < now]:
+                    _drop(sel, pending, conn)  # head not complete within read_timeout_s
+        finally:
+            for conn in list(pending):
+                _drop(sel, pending, conn)
+            sel.close()
+            self._stopped.set()
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._stopping.set()
+        self._wake_w.send(b"x")
+        self._stopped.wait(timeout=10)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
         self.runner.close()
 
     def score(self, batch: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             result = self.runner.score(*(batch[k] for k in FIELDS))
         return {"scores": result.scores, "num_errors": result.num_errors, "num_timeouts": result.num_timeouts,
-                "errors": result.errors}
+                "num_skipped": result.num_skipped, "errors": result.errors, "scorer": self.opts.fn}
+
+    # ------------------------------------------------------------------------------------- connections
+    def _accept(self, sel: selectors.BaseSelector, pending: dict) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # e.g. out of file descriptors: shed this connection, keep serving
+                log.warning("accept failed: %s", e)
+                return
+            if len(pending) >= self.opts.max_pending:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            sel.register(conn, selectors.EVENT_READ)
+            pending[conn] = (bytearray(), time.monotonic() + self.opts.read_timeout_s, addr)
+
+    def _read_head(self, sel: selectors.BaseSelector, pending: dict, conn: socket.socket) -> None:
+        head, _, addr = pending[conn]
+        try:
+            data = conn.recv(MAX_HEAD_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        head += data
+        if not data or (b"\r\n\r\n" not in head and len(head) >= MAX_HEAD_BYTES):
+            _drop(sel, pending, conn)  # closed by the client, or a head no real client sends
+        elif b"\r\n\r\n" in head:
+            sel.unregister(conn)
+            del pending[conn]
+            self._dispatch(conn, bytes(head), addr)
+
+    def _dispatch(self, conn: socket.socket, head: bytes, addr: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                conn.send(_BUSY)
+            except OSError:
+                pass
+            conn.close()
+            return
+        conn.setblocking(True)
+        conn.settimeout(self.opts.read_timeout_s)
+        threading.Thread(target=self._handle, args=(conn, head, addr), daemon=True, name="fleetrl-reward-http").start()
+
+    def _handle(self, conn: socket.socket, head: bytes, addr: Any) -> None:
+        try:
+            self._handler((conn, head), addr, self)
+        except OSError:  # the client left or stalled mid-request; nothing to answer
+            pass
+        finally:
+            conn.close()
+            self._slots.release()
+
+
+def _drop(sel: selectors.BaseSelector, pending: dict, conn: socket.socket) -> None:
+    sel.unregister(conn)
+    del pending[conn]
+    conn.close()
+
+
+class _Prefixed(io.RawIOBase):
+    """A socket's byte stream with the already-read request head put back in front."""
+
+    def __init__(self, head: bytes, conn: socket.socket) -> None:
+        self._head, self._conn = memoryview(head), conn
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        if self._head:
+            n = min(len(buf), len(self._head))
+            buf[:n], self._head = self._head[:n], self._head[n:]
+            return n
+        return self._conn.recv_into(buf)
 
 
 def serve(opts: ServeOptions) -> None:
@@ -117,6 +273,12 @@ def _handler_for(server: RewardServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        def setup(self) -> None:
+            conn, head = self.request
+            self.request = self.connection = conn
+            self.rfile = io.BufferedReader(_Prefixed(head, conn))
+            self.wfile = conn.makefile("wb", buffering=0)
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self._authorized():
                 if self.path.rstrip("/") == "/health":
@@ -154,18 +316,18 @@ def _handler_for(server: RewardServer) -> type[BaseHTTPRequestHandler]:
             given = self.headers.get("Authorization", "")
             if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 return True
-            self._reply(401, {"error": "missing or wrong bearer token; clients pass the server's --token "
+            self._reply(401, {"error": "missing or wrong bearer token; clients pass the server's token "
                                        "(rewards.remote_token)"}, {"WWW-Authenticate": "Bearer"})
             return False
 
         def _reply(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(body).encode()
-            if status != 200:
-                self.close_connection = True  # a body we refused to read must not be parsed as a request
+            self.close_connection = True  # one request per connection: the next one goes through the gate again
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                self.send_header("Connection", "close")
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
                 self.end_headers()

@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from fleetrl.config.schema import TrackingConfig
 
@@ -60,7 +61,13 @@ class Tracker:
         """Run events (restart, skipped update, resume) go to metrics.jsonl with an `event` key."""
         record = {"step": step, "event": kind, **info}
         self.jsonl.write(json.dumps(record, default=str) + "\n")
-        self.console.print(f"[yellow]event[/] step {step}: {kind} {info}")
+        self.say(f"step {step}: {kind} {info}", label=("event", "yellow"))
+
+    def say(self, text: str, label: tuple[str, str] | None = None) -> None:
+        """Prints `text` literally: error text (Gloo's `[/path/pair.cc:553] ...`, paths, user strings) must
+        never be parsed as rich markup, or printing the message of a failure raises a MarkupError of its own."""
+        line = Text.assemble(label, " ", text) if label else Text(text)
+        self.console.print(line, soft_wrap=True, highlight=False)
 
     def start_progress(self, total: int, done: int) -> None:
         if not self.cfg.progress or self.progress is not None:
@@ -89,7 +96,7 @@ class Tracker:
         parts = [f"{k.removeprefix('train/').removeprefix('actor/')}={m[k]:.4g}" for k in CONSOLE_KEYS if k in m]
         if not any(k.startswith("train/") for k in m):
             parts = [f"{k}={v:.4g}" for k, v in m.items() if "/" in k and k.count("/") == 1]
-        self.console.print(f"[bold cyan]step {step:>4}[/] " + " ".join(parts))
+        self.say(" ".join(parts), label=(f"step {step:>4}", "bold cyan"))
 
     def _tensorboard(self):
         try:

@@ -34,8 +34,9 @@ def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, reco
     if "kl" in batch.meta:
         m["train/kl"] = float(batch.meta["kl"])
     m["train/advantage_mean"] = float(masked_mean(batch["advantages"], fmask))
-    for k, v in batch.meta.get("reward_stats", {}).items():
-        m[f"train/{k}"] = float(v)
+    for section in ("reward_stats", "correction", "dynamic_sampling"):  # diagnostics the phases left in meta
+        for k, v in batch.meta.get(section, {}).items():
+            m[f"train/{k}"] = float(v)
     for k, v in timings.items():
         m[f"train/time/{k}"] = float(v)
     m["train/time/step"] = step_s

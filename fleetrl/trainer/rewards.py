@@ -23,11 +23,14 @@ class RewardScorer:
         if r.remote_urls:
             from fleetrl.rewards.remote import RemoteRewardClient
 
-            self.remote = RemoteRewardClient(list(r.remote_urls), token=r.remote_token, timeout_s=r.remote_timeout_s)
+            self.remote = RemoteRewardClient(list(r.remote_urls), token=r.remote_token, timeout_s=r.remote_timeout_s,
+                                             connect_timeout_s=r.remote_connect_timeout_s, retries=r.remote_retries,
+                                             backoff_s=r.remote_backoff_s, max_failure_rate=r.max_failure_rate)
             self.remote.check_health()  # refuse to start training against a server that is down
         self.router = RewardRouter({**BUILTIN_SOURCES, **r.sources}, default=r.default)
         self.runner = RewardRunner(self.router, timeout_s=r.timeout_s, default_score=r.default_score,
-                                   num_workers=r.num_workers, isolation=r.isolation)
+                                   num_workers=r.num_workers, isolation=r.isolation,
+                                   max_failure_rate=r.max_failure_rate)
 
     def check_sources(self, sources: set[str]) -> None:
         if self.remote is None:
@@ -44,5 +47,6 @@ class RewardScorer:
         texts = self.decode(batch)
         args = (texts, list(batch["ground_truth"]), list(batch["data_source"]), list(batch["extra_info"]))
         result = self.remote.score_result(*args) if self.remote is not None else self.runner.score(*args)
-        stats = {"reward_errors": float(result.num_errors), "reward_timeouts": float(result.num_timeouts)}
+        stats = {"reward_errors": float(result.num_errors), "reward_timeouts": float(result.num_timeouts),
+                 "reward_skipped": float(getattr(result, "num_skipped", 0))}
         return torch.tensor(result.scores, dtype=torch.float32), stats

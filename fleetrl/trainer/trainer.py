@@ -14,16 +14,18 @@ from typing import Callable, Iterator
 
 import torch
 
-from fleetrl.algo import ADVANTAGES, AdvantageInputs, apply_kl_penalty, kl_estimate, make_kl_controller, masked_mean
+from fleetrl.algo import (ADVANTAGES, AdvantageInputs, apply_kl_penalty, fold_kl_into_scores, kl_estimate,
+                          make_kl_controller, mask_truncated, masked_mean, overlong_penalty, rollout_correction)
 from fleetrl.batch import Batch
 from fleetrl.cluster.group import WorkerGroup
 from fleetrl.config.plan import Plan
-from fleetrl.trainer.feed import PromptFeed
+from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.dynamic import fill_informative
+from fleetrl.trainer.inputs import RunInputs
 from fleetrl.trainer.metrics import rollout_metrics
 from fleetrl.trainer.progress import Progress, RNGState
-from fleetrl.trainer.rewards import RewardScorer
+from fleetrl.trainer.signals import Interrupted, StopSignal
 from fleetrl.trainer.validate import validate
-from fleetrl.tracking.tracker import Tracker
 from fleetrl.workers.layout import arrange_update
 from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
 from fleetrl.workers.worker import Worker
@@ -33,13 +35,13 @@ SEQ_KEYS = ("prompts", "prompt_mask", "responses", "response_mask")
 
 
 class Trainer:
-    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, resume: str | None = None) -> None:
+    def __init__(self, plan: Plan, tracker: Tracker, out_dir: Path, resume: str | None = None,
+                 stop: StopSignal | None = None, inputs: RunInputs | None = None) -> None:
+        self.stop = stop or StopSignal()
         self.plan, self.cfg, self.tracker, self.out_dir = plan, plan.config, tracker, out_dir
         self.resume = resume or self.cfg.trainer.resume
-        self.train_feed = PromptFeed.for_train(plan)
-        self.val_feed = PromptFeed.for_val(plan, self.train_feed.tokenizer)
-        self.scorer = RewardScorer(self.cfg, self.train_feed.tokenizer)
-        self.scorer.check_sources(self.train_feed.data_sources() | (self.val_feed.data_sources() if self.val_feed else set()))
+        inputs = inputs or RunInputs.load(plan)
+        self.train_feed, self.val_feed, self.scorer = inputs.train, inputs.val, inputs.scorer
         kl = self.cfg.algorithm.kl
         self.kl_ctl = make_kl_controller(kl.controller, kl.coef, kl.target, kl.horizon)
         self.progress = Progress()
@@ -65,11 +67,12 @@ class Trainer:
             self.tracker.log(self.step, self.validate())
         self.tracker.start_progress(total, self.step)
         while self.step < total:
+            for g in self.groups.values():
+                g.step = self.step + 1  # stall reports name the step being made
             self.timings = {}
             self._ray_overhead()  # drop what validation/resume accumulated: only this step's calls count
             t0 = time.perf_counter()
-            batch = self.generate(self.train_feed.next_batch(self.cfg.data.prompts_per_step))
-            batch = self.score(batch)
+            batch = self.rollouts()
             batch = self.logprobs(batch)
             batch = self.values(batch)
             batch = self.advantages(batch)
@@ -86,10 +89,24 @@ class Trainer:
                 metrics.update(self.validate())
             self.tracker.log(self.step, metrics)
             last = metrics
+            if self.stop.requested:
+                self.stop_now()
         self.tracker.finish()
         return last
 
     # ---------------------------------------------------------------------------------------- phases
+    def rollouts(self) -> Batch:
+        """generate + score for one step's prompts; with dynamic sampling, more rounds until every group is
+        informative (trainer/dynamic.py)."""
+        fresh = lambda: self.score(self.generate(self.train_feed.next_batch(self.cfg.data.prompts_per_step)))  # noqa: E731
+        ds = self.cfg.algorithm.dynamic_sampling
+        if not ds.enabled:
+            return fresh()
+        batch, stats = fill_informative(fresh(), fresh, groups=self.cfg.data.prompts_per_step, n=self.cfg.rollout.n,
+                                        max_rounds=ds.max_rounds)
+        batch.meta["dynamic_sampling"] = stats
+        return batch
+
     def generate(self, prompts: Batch) -> Batch:
         n = self.cfg.rollout.n
         with self._timed("generate"):
@@ -103,6 +120,12 @@ class Trainer:
     def score(self, batch: Batch) -> Batch:
         with self._timed("score"):
             scores, stats = self.scorer.score(batch)
+            o = self.cfg.algorithm.overlong
+            if o.buffer:  # DAPO soft overlong punishment, part of the score every later phase sees
+                penalty = overlong_penalty(batch["response_mask"].sum(1), max_len=self.cfg.rollout.max_new_tokens,
+                                           buffer=o.buffer, factor=o.factor)
+                stats["overlong_penalty_mean"] = float(penalty.mean())
+                scores = scores + penalty
             batch.tensors["scores"] = scores
             batch.meta["reward_stats"] = stats
             return batch
@@ -114,6 +137,15 @@ class Trainer:
                 batch = batch.update(self.group("actor").call_split(Worker.compute_logprobs, seq))
             if self.plan.use_ref:
                 batch = batch.update(self.group("ref").call_split(Worker.compute_ref_logprobs, seq))
+            if self.plan.rollout_correction:  # over the whole batch: max/min do not survive per-rank shares
+                c = self.cfg.algorithm.rollout_correction
+                w, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
+                                              mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
+                batch.tensors["is_weights"] = w
+                batch.meta["correction"] = {k: float(v) for k, v in stats.items()}
+            if self.cfg.algorithm.overlong.mask_truncated:
+                truncated = torch.tensor([f == "length" for f in batch["finish_reason"]])
+                batch.tensors["loss_mask"] = mask_truncated(batch["response_mask"], truncated)
             return batch
 
     def values(self, batch: Batch) -> Batch:
@@ -125,7 +157,7 @@ class Trainer:
     def advantages(self, batch: Batch) -> Batch:
         algo = self.cfg.algorithm
         mask = batch["response_mask"].float()
-        token_rewards = None
+        scores, token_rewards = batch["scores"], None
         if self.plan.use_ref:
             # Without a recompute pass the rollout's own log-probs stand for the policy's (same weights).
             logp = batch["old_logprobs"] if self.plan.recompute_logprobs else batch["rollout_logprobs"]
@@ -133,10 +165,12 @@ class Trainer:
             seq_kl = float(masked_mean(kl_bt, mask))
             batch.meta["kl"] = seq_kl
             if algo.kl.placement == "reward":
-                token_rewards, _ = apply_kl_penalty(batch["scores"], logp, batch["ref_logprobs"],
-                                                    mask, self.kl_ctl.coef, algo.kl.estimator)
+                token_rewards, kl = apply_kl_penalty(batch["scores"], logp, batch["ref_logprobs"],
+                                                     mask, self.kl_ctl.coef, algo.kl.estimator)
+                if self.plan.kl_into_score:  # an outcome estimator ignores token rewards: fold them into the score
+                    scores, token_rewards = fold_kl_into_scores(scores, kl, mask, self.kl_ctl.coef), None
             self.kl_ctl.update(seq_kl, len(batch))
-        inputs = AdvantageInputs(scores_B=batch["scores"], mask_BT=mask, group_B=batch["group"],
+        inputs = AdvantageInputs(scores_B=scores, mask_BT=mask, group_B=batch["group"],
                                  token_rewards_BT=token_rewards, values_BT=batch.tensors.get("values"),
                                  gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std)
         adv, ret = ADVANTAGES.get(algo.advantage)(inputs)
@@ -152,15 +186,19 @@ class Trainer:
             keys = [*SEQ_KEYS, "advantages", "rollout_logprobs"]
             keys += ["old_logprobs"] if self.plan.recompute_logprobs else []
             keys += ["ref_logprobs"] if self.cfg.algorithm.kl.placement == "loss" else []
+            keys += ["is_weights"] if self.plan.rollout_correction else []
+            keys += ["loss_mask"] if self.cfg.algorithm.overlong.mask_truncated else []
             with self._timed("update_actor"):
                 metrics.update(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
         return {f"train/{k}": v for k, v in metrics.items()}
 
     def _update_role(self, role: str, batch: Batch, method: Callable) -> dict[str, float]:
+        loss_mask = "loss_mask" if role == "actor" and "loss_mask" in batch else "response_mask"
         parts, minis = arrange_update(batch, self.plan.num_mini_batches, self.plan.world[role],
-                                      norm_len=float(self.cfg.rollout.max_new_tokens))
+                                      norm_len=float(self.cfg.rollout.max_new_tokens), mask_key=loss_mask)
         spec = UpdateSpec(minis=minis, kl_coef=self.kl_ctl.coef,
-                          old_logprobs="recomputed" if self.plan.recompute_logprobs else "current")
+                          old_logprobs="recomputed" if self.plan.recompute_logprobs else "current",
+                          is_weights=role == "actor" and self.plan.rollout_correction, loss_mask=loss_mask)
         return UpdateMetrics.reduce(self.group(role).call_parts(method, parts, spec))
 
     def sync(self) -> None:
@@ -180,9 +218,10 @@ class Trainer:
 
             broadcast_weights(self.group("actor"), self.group("rollout"), version, self.cfg.cluster.init_timeout_s)
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, force: bool = False) -> None:
         t = self.cfg.trainer
-        if t.save_every and self.step % t.save_every == 0:
+        # The last step is always saved when checkpoints are on: the steps after the last multiple are not lost.
+        if force or (t.save_every and (self.step % t.save_every == 0 or self.step == self.plan.total_steps)):
             with self._timed("checkpoint"):
                 from fleetrl.checkpoint.manager import save_checkpoint
 
@@ -203,8 +242,26 @@ class Trainer:
         diff = load_checkpoint(path, groups=list(self.groups.values()), state=self.state(), config=self.cfg)
         if diff:
             self.tracker.event(self.step, "config_changed_on_resume", diff=diff)
-        self.tracker.event(self.step, "resumed", path=str(path))
+        # Records of steps after this one that metrics.jsonl already holds are superseded by the redone steps.
+        self.tracker.event(self.step, "resumed", path=str(path), supersedes_after=self.step)
         self._publish_weights()  # the rollout engines must hold the resumed weights and version
+
+    def stop_now(self) -> None:
+        """After a stop signal: checkpoint this step (unless it just was, or checkpoint_on_signal says not to)."""
+        import signal
+
+        from fleetrl.checkpoint.manager import CheckpointError, checkpoint_root, find_resume
+
+        policy = self.cfg.trainer.checkpoint_on_signal
+        wanted = policy == "always" or (policy == "sigterm" and self.stop.signum == signal.SIGTERM)
+        if wanted and not (checkpoint_root(self.out_dir) / f"step_{self.step}").is_dir():
+            self.checkpoint(force=True)
+        try:
+            latest = find_resume(self.out_dir, "auto")
+        except CheckpointError:  # every checkpoint unusable: still stop, and say there is none
+            latest = None
+        self.tracker.event(self.step, "stopped", signal=int(self.stop.signum))
+        raise Interrupted(self.step, int(self.stop.signum), int(latest.name[5:]) if latest else None)
 
     def check_finite(self, metrics: dict[str, float]) -> None:
         """A NaN/inf loss or gradient skips that optimiser step (the engine did) and is logged as an event."""
@@ -227,7 +284,7 @@ class Trainer:
             return
         from fleetrl.cluster.build import build_groups
 
-        self.groups = build_groups(self.plan)
+        self.groups = build_groups(self.plan, self.out_dir)
 
     def _ray_overhead(self) -> float:
         return sum(g.take_overhead() for g in self.groups.values())

@@ -5,12 +5,13 @@ import math
 
 import torch
 
+from fleetrl import heartbeat
 from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
-from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.layout import micro_batches, pad_response
 from fleetrl.workers.messages import MiniBatchCounts, UpdateMetrics, UpdateSpec
 from fleetrl.workers.update import run_update
@@ -40,6 +41,7 @@ def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temper
     device = next(model.parameters()).device
     logps, ents = [], []
     for mb in micro_batches(batch, micro):
+        heartbeat.beat()
         mb = mb.to(device)
         lp, ent = sequence_logprobs(model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
                                     temperature=temperature, return_entropy=entropy, chunk_size=chunk)
@@ -63,7 +65,8 @@ class ActorComponent:
         self.model = model
         self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info,
                                      total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),
-                                     sharded=ctx.cfg.actor.sharding == "fsdp2")
+                                     sharded=ctx.cfg.actor.sharding == "fsdp2",
+                                     autocast_dtype=None if ctx.cfg.actor.autocast == "off" else dtype_of(ctx.cfg.actor.autocast))
 
     @property
     def chunk(self) -> int | None:
@@ -89,14 +92,15 @@ class ActorComponent:
         logp, ent = sequence_logprobs(self.model, mb["prompts"], mb["prompt_mask"], mb["responses"],
                                       mb["response_mask"], temperature=gen_temperature(self.ctx),
                                       return_entropy=need_entropy, chunk_size=self.chunk)
-        mask = mb["response_mask"].float()
+        mask = mb[spec.loss_mask].float()
         agg = dict(agg=algo.loss_agg, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, norm_len=counts.norm_len)
         # On-policy (no recompute pass): old = this forward's own detached log-probs, so the ratio is exactly 1
         # and the gradient is the policy gradient.
         old = logp.detach().float() if on_policy else mb["old_logprobs"]
         loss, m = POLICY_LOSSES.get(algo.policy_loss)(
             logp.float(), old, mb["advantages"], mask, clip_low=algo.clip_low,
-            clip_high=algo.clip_high, dual_clip=algo.dual_clip, **agg)
+            clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+            is_weights_BT=mb["is_weights"] if spec.is_weights else None, **agg)
         # Metrics are returned as shares of the global mean: the micro-batch's token fraction weights them,
         # so summing over micro-batches and ranks gives the mini-batch mean.
         share = float(mask.sum()) / max(counts.num_tokens, 1.0)

@@ -13,12 +13,12 @@ from fleetrl.batch import Batch
 from fleetrl.workers.messages import MiniBatchCounts
 
 
-def arrange_update(batch: Batch, num_mini: int, world: int,
-                   norm_len: float) -> tuple[list[Batch], tuple[MiniBatchCounts, ...]]:
-    """Per-rank batches for an update and the global counts of each mini-batch."""
+def arrange_update(batch: Batch, num_mini: int, world: int, norm_len: float,
+                   mask_key: str = "response_mask") -> tuple[list[Batch], tuple[MiniBatchCounts, ...]]:
+    """Per-rank batches for an update and the global counts of each mini-batch (tokens of `mask_key`)."""
     parts, _ = order_for_dp(batch, num_mini, world)
     size = len(batch) // num_mini
-    mask = batch["response_mask"]
+    mask = batch[mask_key]
     counts = tuple(MiniBatchCounts(num_tokens=float(mask[i * size:(i + 1) * size].sum()), num_seqs=float(size),
                                    norm_len=norm_len) for i in range(num_mini))
     return parts, counts

@@ -41,6 +41,11 @@ class UpdateSpec:
     old_logprobs: OldLogprobs
     """recomputed: the batch's `old_logprobs` from the pass before the update; current: fully on-policy, the
     update's own forward, detached (ratio exactly 1)."""
+    is_weights: bool = False
+    """Multiply the per-token policy loss by the batch's `is_weights` (rollout-mismatch correction)."""
+    loss_mask: Literal["response_mask", "loss_mask"] = "response_mask"
+    """Which mask weighs the loss: `loss_mask` leaves truncated responses out (algorithm.overlong.mask_truncated);
+    the forward pass always uses response_mask."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -9,7 +9,7 @@ import torch
 from fleetrl.batch import Batch
 from fleetrl.engines.protocol import RolloutEngine, SamplingParams
 from fleetrl.models.hf import load_tokenizer
-from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.messages import GenerateRequest
 
 
@@ -37,11 +37,15 @@ def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer) -> Rollou
         from fleetrl.engines.fast import FastRolloutEngine
 
         sizes = ctx.plan.rollout
+        r = ctx.cfg.rollout
         return FastRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed, max_batch=sizes.max_batch,
-                                 max_seq_len=sizes.max_seq_len)
+                                 max_seq_len=sizes.max_seq_len,
+                                 compute_dtype=None if r.compute_dtype == "model" else dtype_of(r.compute_dtype))
     from fleetrl.engines.hf import HFRolloutEngine
 
-    return HFRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed)
+    # the engine's log-prob pass is chunked like the trainer's, so no B×T×V fp32 logits are built
+    return HFRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed,
+                           logprob_chunk_size=ctx.cfg.actor.logprob_chunk)
 
 
 class RolloutComponent:

@@ -14,6 +14,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from fleetrl import heartbeat
+
 
 class WeightBus:
     def __init__(self, host: str, port: int, rank: int, size: int, *, timeout_s: float, device: torch.device) -> None:
@@ -54,6 +56,7 @@ def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterato
 def send(bus: WeightBus, named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> int:
     sent = 0
     for bucket in buckets(named, bucket_bytes):
+        heartbeat.beat()
         flat = torch.cat([t.detach().reshape(-1).to(bus.device) for _, t in bucket])
         bus.broadcast([flat])
         sent += flat.numel() * flat.element_size()
@@ -64,6 +67,7 @@ def receive(bus: WeightBus, named: list[tuple[str, torch.Tensor]], bucket_bytes:
     """`named` are the receiver's own tensors (for shapes/dtypes); returns fresh received tensors by name."""
     out: dict[str, torch.Tensor] = {}
     for bucket in buckets(named, bucket_bytes):
+        heartbeat.beat()
         flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=bucket[0][1].dtype, device=bus.device)
         bus.broadcast([flat])
         offset = 0

@@ -9,14 +9,16 @@ from __future__ import annotations
 import os
 import socket
 import time
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from fleetrl import heartbeat
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo
+from fleetrl.netif import socket_ifname_env
 from fleetrl.workers.context import WorkerContext
 from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
 
@@ -31,9 +33,14 @@ class Worker:
     def timed(self, method: str, *args):
         """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
         compute from transport overhead."""
+        heartbeat.maybe_freeze(method)
         t0 = time.perf_counter()
         out = getattr(self, method)(*args)
         return out, time.perf_counter() - t0
+
+    def progress(self) -> int:
+        """The process's heartbeat count, read by the watchdog through the actor's free concurrency slot."""
+        return heartbeat.count()
 
     # ------------------------------------------------------------------ setup
     def node_info(self) -> dict:
@@ -52,13 +59,18 @@ class Worker:
     def init_dist(self, addr: str, port: int, timeout_s: float) -> None:
         w = self.ctx.world_size
         if w > 1:
+            _pin_socket_ifname()
             backend = "nccl" if self.ctx.device().type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.ctx.rank,
                                     world_size=w, timeout=timedelta(seconds=timeout_s))
 
     def build(self) -> None:
         """Loads models for every hosted role (after init_dist, so sharding can use the group)."""
-        from fleetrl.workers.actor import ActorComponent, RefComponent, load_policy_model
+        from fleetrl.workers.actor import (
+            ActorComponent,
+            RefComponent,
+            load_policy_model,
+        )
 
         ctx = self.ctx
         ctx.seed_everything()
@@ -127,6 +139,7 @@ class Worker:
     def bus_receive(self, bucket_bytes: int, version: int) -> int:
         from fleetrl.workers.weight_bus import full_state, receive
 
+        heartbeat.maybe_freeze("bus_receive")
         rollout = self._need("rollout")
         received = receive(self.bus, full_state(rollout.engine_model()), bucket_bytes)
         rollout.load_weights(received, version)
@@ -176,6 +189,16 @@ class Worker:
 def _own_ip() -> str:
     # The Ray wrapper in cluster/group.py sets this to the node IP Ray was started with; in-process: loopback.
     return os.environ.get("FLEETRL_NODE_IP", "127.0.0.1")
+
+
+def _pin_socket_ifname() -> None:
+    """Binds Gloo/NCCL to the interface of this node's Ray IP when nothing else has chosen one (`cluster up`
+    sets both for the raylet; a plain `ray start` does not). On loopback, or an IP no interface holds, the
+    libraries keep their own choice."""
+    ip = _own_ip()
+    if ip.startswith("127.") or "GLOO_SOCKET_IFNAME" in os.environ or "NCCL_SOCKET_IFNAME" in os.environ:
+        return
+    os.environ.update(socket_ifname_env(ip))
 
 
 def _drop_conflicting_env() -> None:

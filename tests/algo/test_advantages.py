@@ -2,7 +2,15 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from fleetrl.algo.advantages import ADVANTAGES, AdvantageInputs, gae_advantages, place_scores_on_last_token
+from fleetrl.algo.advantages import (
+    ADVANTAGES,
+    OUTCOME_ESTIMATORS,
+    AdvantageInputs,
+    fold_kl_into_scores,
+    gae_advantages,
+    is_outcome_estimator,
+    place_scores_on_last_token,
+)
 
 ATOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -213,3 +221,47 @@ def test_inputs_shape_mismatch():
     with pytest.raises(ValueError, match=r"values_BT has shape \(2, 4\); expected \(2, 3\)"):
         _inputs(scores_B=torch.ones(2), mask_BT=torch.ones(2, 3), group_B=torch.zeros(2),
                 values_BT=torch.ones(2, 4))
+
+
+# ------------------------------------------------------------------------------- KL in the reward, outcome
+def test_fold_kl_into_scores():
+    # kl per token (k1 = logp - ref): seq 0 [1, 2, pad 50] -> 3; seq 1 [0.5, -0.5, 0] -> 0
+    # coef 0.1: [1 - 0.3, 2 - 0] = [0.7, 2.0]; the padded 50 must not count
+    kl = torch.tensor([[1.0, 2.0, 50.0], [0.5, -0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert_close(fold_kl_into_scores(torch.tensor([1.0, 2.0]), kl, mask, coef=0.1), torch.tensor([0.7, 2.0]))
+
+
+def test_drgrpo_with_kl_in_reward_differs_from_without():
+    # The issue-13 example: two groups of two, scores [1, 0 | 1, 0], coef 0.1.
+    # Without the penalty: drgrpo = score - group mean = [0.5, -0.5, 0.5, -0.5]; passing the penalty as
+    # token_rewards_BT changes nothing (outcome estimators ignore it).
+    # Per-token kl sums [3, 0, 9, 0] -> folded scores [1 - 0.3, 0, 1 - 0.9, 0] = [0.7, 0, 0.1, 0]
+    # group means 0.35 and 0.05 -> drgrpo [0.35, -0.35, 0.05, -0.05]
+    scores, group = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1])
+    mask = torch.ones(4, 2)
+    kl = torch.tensor([[1.0, 2.0], [0.0, 0.0], [4.0, 5.0], [0.0, 0.0]])
+    drgrpo = ADVANTAGES.get("drgrpo")
+    plain, _ = drgrpo(_inputs(scores_B=scores, mask_BT=mask, group_B=group))
+    ignored, _ = drgrpo(_inputs(scores_B=scores, mask_BT=mask, group_B=group, token_rewards_BT=-0.1 * kl))
+    folded, _ = drgrpo(_inputs(scores_B=fold_kl_into_scores(scores, kl, mask, 0.1), mask_BT=mask, group_B=group))
+    assert_close(plain[:, 0], torch.tensor([0.5, -0.5, 0.5, -0.5]))
+    assert torch.equal(ignored, plain)
+    assert_close(folded[:, 0], torch.tensor([0.35, -0.35, 0.05, -0.05]), **ATOL)
+
+
+@pytest.mark.parametrize("name", ADVANTAGES.names())
+def test_outcome_estimators_are_exactly_those_ignoring_token_rewards(name):
+    # A token reward on the first token of sequence 0 only: estimators that read token rewards must change.
+    base = {"scores_B": torch.tensor([1.0, 0.0, 0.5]), "mask_BT": torch.ones(3, 2),
+            "group_B": torch.tensor([0, 0, 0]), "values_BT": torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]])}
+    without, _ = ADVANTAGES.get(name)(_inputs(**base))
+    bonus = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    with_bonus, _ = ADVANTAGES.get(name)(_inputs(**base, token_rewards_BT=bonus))
+    assert is_outcome_estimator(name) == torch.equal(without, with_bonus)
+    assert is_outcome_estimator(name) == (name in OUTCOME_ESTIMATORS)
+
+
+def test_is_outcome_estimator_rejects_unknown_names():
+    with pytest.raises(ValueError, match="did you mean 'drgrpo'"):
+        is_outcome_estimator("drgrp")

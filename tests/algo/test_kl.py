@@ -1,10 +1,15 @@
-import math
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-from fleetrl.algo.kl import AdaptiveKLController, FixedKLController, kl_estimate, make_kl_controller
+from fleetrl.algo.kl import (
+    K3_MAX,
+    AdaptiveKLController,
+    FixedKLController,
+    kl_estimate,
+    make_kl_controller,
+)
 
 LOGP = torch.tensor([[0.0, -1.0]])
 REF = torch.tensor([[-1.0, 0.0]])
@@ -27,9 +32,23 @@ def test_k3():
 
 def test_k3_zero_when_equal_and_clamped_when_far():
     assert_close(kl_estimate(REF, REF, "k3"), torch.zeros(1, 2))
-    # log r = -100 clamps to -20: exp(-20) + 20 - 1 = 19.000000002; log r = +100 -> e^20 - 21, finite
+    # log r = -100 clamps to -20: exp(-20) + 20 - 1 = 19.000000002 > 10 -> 10;
+    # log r = +100 clamps to +20: e^20 - 21 = 4.85e8 > 10 -> 10
     out = kl_estimate(torch.tensor([0.0, 0.0]), torch.tensor([-100.0, 100.0]), "k3")
-    assert_close(out, torch.tensor([19.0, math.exp(20) - 21]))
+    assert_close(out, torch.tensor([K3_MAX, K3_MAX]))
+    assert K3_MAX == 10.0
+
+
+def test_k3_value_and_gradient_bounded_at_large_negative_log_ratio():
+    # log(pi / pi_ref) = logp - ref = [-5, -20, 0.5]  ->  log r = ref - logp = [5, 20, -0.5]
+    # unclamped: e^5 - 5 - 1 = 142.41 (d/dlogp = 1 - e^5 = -147.41); e^20 - 21 = 4.85e8 (d/dlogp = 1 - e^20)
+    # clamped to 10 with zero gradient; the ordinary token -0.5: e^-0.5 + 0.5 - 1 = 0.106531,
+    # d/dlogp = 1 - e^-0.5 = 0.393469 (unchanged by the clamp)
+    logp = torch.tensor([[-5.0, -20.0, 0.5]], requires_grad=True)
+    out = kl_estimate(logp, torch.zeros(1, 3), "k3")
+    out.sum().backward()
+    assert_close(out.detach(), torch.tensor([[10.0, 10.0, 0.106531]]), atol=1e-5, rtol=1e-5)
+    assert_close(logp.grad, torch.tensor([[0.0, 0.0, 0.393469]]), atol=1e-5, rtol=1e-5)
 
 
 def test_fixed_controller_never_moves():

@@ -118,6 +118,87 @@ def test_policy_losses_share_metrics_keys():
     assert len(keys) == 1
 
 
+# ---------------------------------------------------------------------------------------------- GSPO
+def test_gspo_sequence_ratio_clips_whole_sequences():
+    # seq 0: log-ratios [0.2, 0.4] -> s = e^0.3 = 1.349859 > 1.2 with A = 1 -> both tokens -1.2, no gradient
+    # seq 1: log-ratios [0.5, -0.5] -> s = e^0 = 1, A = 2 -> both tokens -2, gradient -A * s / 4 tokens = -0.5
+    #   (token-level PPO would clip token (1, 0): its own ratio e^0.5 = 1.65 > 1.2)
+    # token-mean = (-1.2 - 1.2 - 2 - 2) / 4 = -1.6; clip_frac 2/4; ratio_mean (2 * 1.349859 + 2 * 1) / 4 = 1.174930
+    logp = _t([[0.2, 0.4], [0.5, -0.5]]).requires_grad_()
+    loss, m = POLICY_LOSSES.get("gspo")(logp, torch.zeros(2, 2), _t([[1.0, 1.0], [2.0, 2.0]]), torch.ones(2, 2))
+    loss.backward()
+    assert_close(loss, _t(-1.6), **ATOL)
+    assert_close(logp.grad, _t([[0.0, 0.0], [-0.5, -0.5]]), **ATOL)
+    assert_close(m["clip_frac"], _t(0.5))
+    assert_close(m["ratio_mean"], _t(1.174930), **ATOL)
+    ppo_logp = logp.detach().clone().requires_grad_()
+    ppo_policy_loss(ppo_logp, torch.zeros(2, 2), _t([[1.0, 1.0], [2.0, 2.0]]), torch.ones(2, 2))[0].backward()
+    assert ppo_logp.grad[1, 0] == 0.0
+
+
+def test_gspo_token_form_matches_sequence_level_gradient():
+    # seq 0 (2 tokens): log-ratios [0.3, 0.1] -> s0 = e^0.2 = 1.221403, A = 1, inside [0.8, 1.3]
+    # seq 1 (1 token + padding holding junk 7.0): log-ratio 0 -> s1 = 1, A = -1
+    # seq-mean-token-mean: loss = (mean(-1.221403, -1.221403) + mean(1)) / 2 = -0.110701
+    # sequence-level GSPO: J = -(1/2) sum_b A_b s_b, d s_b / d logp_bt = s_b / |y_b|
+    #   seq 0 tokens: -(1/2) * 1 * 1.221403 / 2 = -0.305351; seq 1: -(1/2) * (-1) * 1 / 1 = 0.5; padding 0
+    logp = _t([[0.3, 0.1], [0.0, 7.0]]).requires_grad_()
+    mask, adv = _t([[1, 1], [1, 0]]), _t([[1.0, 1.0], [-1.0, -1.0]])
+    loss, m = POLICY_LOSSES.get("gspo")(logp, torch.zeros(2, 2), adv, mask, clip_high=0.3,
+                                        agg="seq-mean-token-mean")
+    loss.backward()
+    assert_close(loss, _t(-0.110701), **ATOL)
+    assert_close(logp.grad, _t([[-0.305351, -0.305351], [0.5, 0.0]]), **ATOL)
+    assert_close(m["clip_frac"], _t(0.0))
+
+
+# --------------------------------------------------------------------------------------------- CISPO
+def test_cispo_clipped_stop_gradient_weight():
+    # ratios [1.5, 0.5, 1], A [1, 1, -1], clip 0.2 -> weights w = clip(ratio, 0.8, 1.2) = [1.2, 0.8, 1.0]
+    # loss_t = -A * w * logp = [-1.2 * 0.405465, -0.8 * -0.693147, 1 * 1 * 0] = [-0.486558, 0.554518, 0]
+    # token-mean = 0.067960 / 3 = 0.022653; grad_t = -A * w / 3 = [-0.4, -0.266667, 0.333333]
+    # (PPO would give token 0 no gradient: ratio 1.5 > 1.2 with A > 0); clip_frac: tokens 0 and 1 -> 2/3
+    logp = _t([[math.log(1.5), math.log(0.5), 0.0]]).requires_grad_()
+    loss, m = POLICY_LOSSES.get("cispo")(logp, torch.zeros(1, 3), _t([[1.0, 1.0, -1.0]]), torch.ones(1, 3))
+    loss.backward()
+    assert_close(loss, _t(0.022653), **ATOL)
+    assert_close(logp.grad, _t([[-0.4, -0.266667, 0.333333]]), **ATOL)
+    assert_close(m["clip_frac"], _t(2.0 / 3.0), **ATOL)
+    assert_close(m["dual_clip_frac"], _t(0.0))
+
+
+def test_cispo_upper_bound_only():
+    # clip_low = 1.0 (the paper's setting): ratio 0.5 keeps w = 0.5; grad = -A * w = -0.5; ratio 3 -> w = 1.2
+    logp = _t([[math.log(0.5), math.log(3.0)]]).requires_grad_()
+    loss, m = POLICY_LOSSES.get("cispo")(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), clip_low=1.0,
+                                         agg="seq-mean-token-sum")
+    loss.backward()
+    assert_close(logp.grad, _t([[-0.5, -1.2]]), **ATOL)
+    assert_close(m["clip_frac"], _t(0.5))
+
+
+# ------------------------------------------------------------------------------- per-token IS weights
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_is_weights_scale_token_losses(name):
+    # on-policy (ratio 1), A = 1: every loss gives each token -1 (cispo: -A * 1 * logp = 0, so use its gradient)
+    # weights [2, 0.5] -> gradient per token -w / 2 tokens = [-1, -0.25]; None equals weights of 1, bit for bit
+    logp = torch.zeros(1, 2, requires_grad=True)
+    args = (torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    loss, _ = POLICY_LOSSES.get(name)(logp, *args, is_weights_BT=_t([[2.0, 0.5]]))
+    loss.backward()
+    assert_close(logp.grad, _t([[-1.0, -0.25]]))
+    plain, _ = POLICY_LOSSES.get(name)(logp, *args)
+    ones, _ = POLICY_LOSSES.get(name)(logp, *args, is_weights_BT=torch.ones(1, 2))
+    assert torch.equal(plain, ones)
+
+
+def test_ppo_is_weights_value():
+    # ratio 1, A = 1 -> per-token loss -1; weights [2, 0.5] -> (-2 - 0.5) / 2 = -1.25
+    loss, _ = ppo_policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+                              is_weights_BT=_t([[2.0, 0.5]]))
+    assert_close(loss, _t(-1.25))
+
+
 # --------------------------------------------------------------------------------------- value loss
 V, OLD_V, RET = _t([[1.5, 0.5]]), _t([[1.0, 1.0]]), _t([[2.0, 2.0]])
 

@@ -47,6 +47,7 @@ def head():
                                "--dashboard-port", str(dash), "--token-file", str(root / "token"),
                                "--state-file", str(state), "--temp-dir", str(root / "t"), "--num-cpus", "2",
                                "--object-store-memory", str(80 * 2**20), "--wait-timeout", "60",
+                               "--env", "FLEETRL_TEST_API_KEY=hidden-value",
                                # Other Ray clusters on this machine (other tests) may hold the default ports.
                                f"--ray-arg=--dashboard-agent-listen-port={_free_port()}",
                                f"--ray-arg=--ray-client-server-port={_free_port()}"],
@@ -100,6 +101,65 @@ def test_train_entrypoint_is_fleetrl_train_with_quoted_overrides():
         jobs.train_entrypoint("q.yaml", ["oops"])
 
 
+def _spec_dir(tmp_path, config_text=None):
+    if config_text is not None:
+        (tmp_path / "c.yaml").write_text(config_text)
+    return tmp_path
+
+
+def test_submitted_driver_joins_the_cluster_unless_an_address_is_named(tmp_path):
+    wd = _spec_dir(tmp_path, "trainer: {total_steps: 2}\n")
+    assert jobs.submission_spec("c.yaml", ["trainer.seed=1"], working_dir=wd).entrypoint == \
+        "python -m fleetrl.cli.main train c.yaml trainer.seed=1 cluster.address=auto"
+    # the user's own choice wins: an override, or an address in the config file
+    assert jobs.submission_spec("c.yaml", ["cluster.address=10.0.0.1:6379"], working_dir=wd).entrypoint.endswith(
+        "train c.yaml cluster.address=10.0.0.1:6379")
+    (wd / "d.yaml").write_text("cluster: {address: 10.0.0.2:6379}\n")
+    assert jobs.submission_spec("d.yaml", working_dir=wd).entrypoint.endswith("train d.yaml")
+    # a config the submitter cannot read still joins the cluster (`fleetrl train` there reports the file)
+    assert jobs.submission_spec("nope.yaml", working_dir=wd).entrypoint.endswith("nope.yaml cluster.address=auto")
+
+
+def test_upload_leaves_secret_files_and_outputs_behind(tmp_path):
+    from ray._private.runtime_env.packaging import create_package
+
+    wd = tmp_path / "wd"
+    keep = ["c.yaml", "pkg/mod.py", "model/tokenizer.json", "model/special_tokens_map.json",
+            "model/tokenizer_config.json", "notes/tokens.md"]
+    drop = [".env", ".env.local", "prod.env", "token", "auth_token", "hf.token", "token.txt", "reward_token.json",
+            "my-token.txt", "secrets.yaml", "client_secret.json", "id.pem", "tls.key", ".git/config",
+            "runs/r1/metrics.jsonl", ".whl/fleetrl-0.1.whl", "pkg/sub/.env"]
+    for rel in keep + drop:
+        (wd / rel).parent.mkdir(parents=True, exist_ok=True)
+        (wd / rel).write_text("x")
+    spec = jobs.submission_spec("c.yaml", working_dir=wd, env_vars={"A": "1"})
+    zip_path = tmp_path / "pkg.zip"
+    create_package(str(wd), zip_path, include_gitignore=True, excludes=spec.runtime_env["excludes"])
+    import zipfile
+    uploaded = {n for n in zipfile.ZipFile(zip_path).namelist() if not n.endswith("/")}
+    assert uploaded == set(keep)
+
+
+def test_env_values_stay_out_of_argv_and_metadata(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLEETRL_REWARD_TOKEN", "s3cret")
+    env = jobs.env_from_args(["FLEETRL_REWARD_TOKEN", "NCCL_DEBUG=INFO"])
+    assert env == {"FLEETRL_REWARD_TOKEN": "s3cret", "NCCL_DEBUG": "INFO"}
+    assert jobs.secret_env_names(env) == ["FLEETRL_REWARD_TOKEN"]
+    spec = jobs.submission_spec("c.yaml", working_dir=tmp_path, env_vars=env)
+    assert spec.metadata == {"fleetrl_env_names": "FLEETRL_REWARD_TOKEN,NCCL_DEBUG"}
+    assert "s3cret" not in spec.entrypoint + str(spec.metadata)
+    monkeypatch.delenv("FLEETRL_REWARD_TOKEN")
+    with pytest.raises(ValueError, match="FLEETRL_REWARD_TOKEN is not set in this shell"):
+        jobs.env_from_args(["FLEETRL_REWARD_TOKEN"])
+
+
+def test_secret_override_is_refused_but_a_reference_passes():
+    with pytest.raises(ValueError, match=r"rewards.remote_token=\.\.\. would be kept in clear.*\$\{env:NAME\}"):
+        jobs.train_entrypoint("c.yaml", ["rewards.remote_token=s3cret"])
+    assert "${env:FLEETRL_REWARD_TOKEN}" in jobs.train_entrypoint(
+        "c.yaml", ["rewards.remote_token=${env:FLEETRL_REWARD_TOKEN}"])
+
+
 @SLOW
 def test_submit_runs_fleetrl_train_on_the_cluster(head):
     token_file = str(head["root"] / "token")
@@ -108,11 +168,18 @@ def test_submit_runs_fleetrl_train_on_the_cluster(head):
     assert result.exit_code == 0, result.output
     job_id = result.output.strip().splitlines()[-1]
     info = _wait(head, job_id, TERMINAL, timeout=180)  # `fleetrl train` imports torch first: slow on a busy box
-    assert info.entrypoint == "python -m fleetrl.cli.main train missing.yaml trainer.total_steps=1"
+    assert info.entrypoint == "python -m fleetrl.cli.main train missing.yaml trainer.total_steps=1 cluster.address=auto"
     # `fleetrl train` itself ran on the cluster and rejected the config path it was given.
     assert "missing.yaml" in jobs.job_logs(head["url"], job_id, head["token"])
     listed = _cli("jobs", "list", "--address", head["url"], "--token-file", token_file)
     assert job_id in listed.output
+
+
+@SLOW
+def test_state_file_is_private_and_redacts_secret_env(head):
+    assert head["state"].stat().st_mode & 0o777 == 0o600
+    assert read_state(head["state"]).env["FLEETRL_TEST_API_KEY"] == "***"
+    assert "hidden-value" not in head["state"].read_text()
 
 
 @SLOW

@@ -140,7 +140,9 @@ def test_profile_pins_nccl_and_gloo_to_the_interface_of_the_node_ip():
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "lo"
     assert env["NCCL_IB_DISABLE"] == "1" and env["NCCL_DEBUG"] == "INFO"  # overrides win
     assert netenv.network_env("ib", {}, node_ip="127.0.0.1")["NCCL_IB_DISABLE"] == "0"
-    assert netenv.network_env(None, {"A": "1"}, node_ip="127.0.0.1") == {"A": "1"}
+    # no profile: still pinned to the node IP's interface (loopback here), overrides on top
+    assert netenv.network_env(None, {"A": "1"}, node_ip="127.0.0.1") == \
+        {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo", "A": "1"}
 
 
 def test_network_env_errors():

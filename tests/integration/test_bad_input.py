@@ -6,7 +6,7 @@ import pytest
 
 from fleetrl.config import ConfigError, derive_plan, load_config
 from fleetrl.data.errors import DataError
-from fleetrl.rewards.errors import RewardError
+from fleetrl.rewards.errors import RewardError, ScorerFailureError
 from tests.integration.helpers import train_run
 
 ASSETS = "tests/integration/assets/bad_rewards.py"
@@ -56,8 +56,22 @@ def test_unknown_key_and_batch_arithmetic():
         derive_plan(load_config("examples/quickstart.yaml", ["algorithm.micro_batch_size=7"]))
 
 
-def test_reward_that_raises_is_counted(tmp_path):
-    metrics = train_run("examples/quickstart.yaml", tmp_path / "out", *FAST,
+def test_reward_that_raises_everywhere_stops_the_run_naming_the_scorer(tmp_path):
+    with pytest.raises(ScorerFailureError, match=r"bad_rewards\.py:raises.*synthetic/copy"):
+        train_run("examples/quickstart.yaml", tmp_path / "out", *FAST,
+                  f"rewards.sources={{synthetic/copy: '{ASSETS}:raises'}}")
+
+
+def test_reward_that_sleeps_forever_stops_the_run_in_bounded_time(tmp_path):
+    t0 = time.time()
+    with pytest.raises(ScorerFailureError, match=r"sleeps_forever"):
+        train_run("examples/quickstart.yaml", tmp_path / "out", *FAST, "rewards.timeout_s=1",
+                  f"rewards.sources={{synthetic/copy: '{ASSETS}:sleeps_forever'}}")
+    assert time.time() - t0 < 60  # 64 samples × 1 s each would be over a minute; the scorer is found hung at once
+
+
+def test_reward_that_raises_is_counted_when_failures_are_allowed(tmp_path):
+    metrics = train_run("examples/quickstart.yaml", tmp_path / "out", *FAST, "rewards.max_failure_rate=1.0",
                         f"rewards.sources={{synthetic/copy: '{ASSETS}:raises'}}")
     train = [m for m in metrics if "train/reward_errors" in m]
     assert len(train) == 2
@@ -66,7 +80,7 @@ def test_reward_that_raises_is_counted(tmp_path):
 
 def test_reward_that_hangs_times_out_and_run_finishes(tmp_path):
     t0 = time.time()
-    metrics = train_run("examples/quickstart.yaml", tmp_path / "out", *FAST, "rewards.timeout_s=0.5",
+    metrics = train_run("examples/quickstart.yaml", tmp_path / "out", *FAST, "rewards.timeout_s=0.5", "rewards.max_failure_rate=1.0",
                         "rewards.isolation=process", f"rewards.sources={{synthetic/copy: '{ASSETS}:hangs_on_three'}}")
     train = [m for m in metrics if "train/reward_timeouts" in m]
     assert len(train) == 2 and sum(m["train/reward_timeouts"] for m in train) > 0

@@ -13,6 +13,11 @@ CASES = {
     "rloo": ("examples/quickstart.yaml", (*COMMON, "algorithm.advantage=rloo")),
     "reinforce_plus_plus": ("examples/quickstart.yaml", (*COMMON, "algorithm.advantage=reinforce_plus_plus")),
     "ppo_gae_critic": ("examples/ppo_tiny.yaml", ()),
+    # GSPO with the paper's clip range and aggregation; two mini-batches per step, so the second update is
+    # off-policy and the sequence-level ratio and clipping are actually exercised (on-policy the ratio is 1).
+    "gspo": ("examples/quickstart.yaml", (*COMMON, "algorithm.policy_loss=gspo", "algorithm.clip_low=0.0003",
+                                          "algorithm.clip_high=0.0004", "algorithm.loss_agg=seq-mean-token-mean",
+                                          "algorithm.mini_batch_prompts=16")),
 }
 
 

@@ -1,6 +1,7 @@
 """`fleetrl serve-reward` and RemoteRewardClient: scoring, auth, limits, slow and missing servers, load sharing."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from fleetrl.rewards.remote import RemoteRewardClient, RemoteRewardError
+from fleetrl.rewards.errors import ScorerFailureError
+from fleetrl.rewards.remote import RemoteRewardClient, RemoteRewardError, RewardServerLostError
 from fleetrl.rewards.server import RewardServer, ServeOptions
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +59,30 @@ def serving(fn: str, **kw):
     finally:
         server.close()
         thread.join(timeout=10)
+
+
+@contextmanager
+def black_hole():
+    """A TCP server that accepts every connection and never answers (a hung process, a wedged proxy)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:  # closed at the end of the test
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
 
 
 def _closed_port_url() -> str:
@@ -104,7 +130,7 @@ def test_wrong_or_missing_token_is_rejected(scorers):
 
 
 def test_non_loopback_bind_needs_a_token(scorers):
-    with pytest.raises(ValueError, match="pass --token"):
+    with pytest.raises(ValueError, match="set a token"):
         RewardServer(ServeOptions(fn=f"{scorers}:match", host="0.0.0.0", port=0))
 
 
@@ -130,7 +156,8 @@ def test_slow_server_times_out_retries_then_fails_clearly(scorers):
         elapsed = time.monotonic() - start
     message = str(err.value)
     assert "failed after 3 attempts" in message and message.count("no answer within 0.3s") == 3
-    assert server.url in message and "rewards.timeout_s" in message
+    assert server.url in message and "rewards.remote_timeout_s" in message
+    assert isinstance(err.value, RewardServerLostError)  # the supervisor restarts on this, like a lost worker
     assert 0.9 <= elapsed < 3.0  # three 0.3 s timeouts plus backoff, never an unbounded wait
 
 
@@ -171,8 +198,9 @@ def test_serve_reward_command(scorers):
         port = s.getsockname()[1]
     cli = [sys.executable, "-m", "fleetrl.cli.main", "serve-reward", "--fn", f"{scorers}:match"]
     refused = subprocess.run(cli + ["--host", "0.0.0.0"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert refused.returncode == 2 and "pass --token" in refused.stderr
-    proc = subprocess.Popen(cli + ["--port", str(port), "--token", TOKEN], cwd=REPO, stdout=subprocess.DEVNULL,
+    assert refused.returncode == 2 and "set a token (--token-file FILE or FLEETRL_REWARD_TOKEN" in refused.stderr
+    env = {**os.environ, "FLEETRL_REWARD_TOKEN": TOKEN}  # the token never appears on the command line
+    proc = subprocess.Popen(cli + ["--port", str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         client = RemoteRewardClient([f"127.0.0.1:{port}"], token=TOKEN, timeout_s=2)
@@ -191,3 +219,55 @@ def test_serve_reward_command(scorers):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_black_hole_server_fails_start_up_in_seconds_not_the_scoring_timeout():
+    # Scoring timeout 120 s (the default rewards.remote_timeout_s) must not apply to the start-up check:
+    # it waits remote_connect_timeout_s = 2 s per server, both servers at once.
+    with black_hole() as a, black_hole() as b:
+        client = RemoteRewardClient([a, b], timeout_s=120, connect_timeout_s=2)
+        start = time.monotonic()
+        with pytest.raises(RemoteRewardError, match=r"not reachable \(no answer within 2s; .*remote_connect_timeout_s"):
+            client.check_health()
+        elapsed = time.monotonic() - start
+    assert elapsed < 10, f"start-up check against a black hole took {elapsed:.1f}s"
+
+
+def test_hung_score_is_retried_within_a_bounded_time_then_recoverable():
+    # 1 + 2 retries of a 1 s read timeout, backoffs 0.1 + 0.2 s: about 3.3 s, and never the 120 s default.
+    # (connect_timeout_s=3: the /health probes, every 3 s, never start before the 1 s read timeout.)
+    with black_hole() as hole:
+        client = RemoteRewardClient([hole], timeout_s=1, retries=2, backoff_s=0.1, connect_timeout_s=3)
+        start = time.monotonic()
+        with pytest.raises(RewardServerLostError, match="failed after 3 attempts") as err:
+            client.score(["a"], ["a"], ["d"], [{}])
+        elapsed = time.monotonic() - start
+    assert 3.0 <= elapsed < 6.0 and str(err.value).count("no answer within 1s") == 3
+
+
+def test_remote_failure_rate_names_the_server(scorers):
+    # broken_on_x fails 2 of the 3 samples it got (> 0.5 × 3): the client stops the run naming that server.
+    with serving(f"{scorers}:broken_on_x") as server:
+        client = RemoteRewardClient([server.url], max_failure_rate=0.5)
+        with pytest.raises(ScorerFailureError, match=rf"{server.url} \(.*broken_on_x\)' \(data_source d\) failed "
+                                                     r"on 2 of 3 samples.*First failure: .*cannot score x"):
+            client.score(["x", "x", "ok"], [1, 1, 1], ["d"] * 3, [{}] * 3)
+        assert client.score(["x", "ok", "ok"], [1, 1, 1], ["d"] * 3, [{}] * 3) == [0.0, 1.0, 1.0]
+
+
+def test_frozen_server_is_given_up_on_by_health_probes_not_the_scoring_timeout():
+    # /score timeout 120 s, but the black hole also misses /health: probes every 0.3 s (each waiting up to 0.3 s),
+    # 2 misses in a row end the attempt after about 2 × (0.3 + 0.3) = 1.2 s. No retries: one attempt.
+    with black_hole() as hole:
+        client = RemoteRewardClient([hole], timeout_s=120, retries=0, connect_timeout_s=0.3)
+        start = time.monotonic()
+        with pytest.raises(RewardServerLostError, match=r"stopped answering /health while scoring \(2 checks"):
+            client.score(["a"], ["a"], ["d"], [{}])
+        assert time.monotonic() - start < 5.0
+
+
+def test_slow_scorer_on_a_live_server_keeps_its_full_timeout(scorers):
+    # "slow" takes 1 s per sample; probes every 0.2 s get answers (the server is alive), so the attempt is not cut.
+    with serving(f"{scorers}:slow") as server:
+        client = RemoteRewardClient([server.url], timeout_s=5, retries=0, connect_timeout_s=0.2)
+        assert client.score(["a"], ["a"], ["d"], [{}]) == [1.0]

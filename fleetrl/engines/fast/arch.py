@@ -109,6 +109,17 @@ def model_weights(model: torch.nn.Module) -> ModelWeights:
                         model.lm_head.weight.data)
 
 
+def cast_weights(weights: ModelWeights, dtype: torch.dtype) -> ModelWeights:
+    """A copy of every tensor in `dtype`; a tied lm_head stays one tensor with the embedding."""
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dtype, copy=True)
+
+    embed = cast(weights.embed)
+    lm_head = embed if weights.lm_head is weights.embed else cast(weights.lm_head)
+    layers = [LayerWeights(*(cast(getattr(lw, f)) for f in LayerWeights.__slots__)) for lw in weights.layers]
+    return ModelWeights(embed, layers, cast(weights.norm), lm_head)
+
+
 def _data(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.data
 

@@ -6,9 +6,15 @@ samples from the new policy. `load_weights` is for a separate rollout pool: it c
 parameters (in place, so captured graphs stay valid) and records the version. If the model's parameters are
 re-allocated (e.g. `model.to(...)`), the next call notices the new addresses and re-captures its graphs.
 
-Scheduling: `max_batch` slots. Prompts wait in input order; whenever slots are free, waiting prompts are
-prefilled into them (lowest slot first) and join the decode batch. Every `sync_every` steps the host reads the
+Scheduling: up to `max_batch` slots. Prompts wait in input order; whenever slots are free, waiting prompts are
+prefilled into them (lowest slot first) and join the decode batch. Identical prompts admitted together (GRPO's
+n samples of one prompt) are prefilled once and their KV rows copied to the other slots. Every `sync_every` steps the host reads the
 slots' done flags once, harvests finished responses and frees their slots. Nothing else syncs per token.
+
+Memory: the KV cache is sized by the calls, not by the limits: the first call allocates slots for its batch
+(a power-of-two bucket, at most `max_batch`) and positions for its longest prompt + max_new_tokens (rounded
+up to SEQ_GRANULE, at most `max_seq_len`); a later call that needs more grows it. At the limits' defaults
+(256 x 2048) a full cache of a 30-layer model would take 24 GB in fp32 on a laptop that needs 100 MB.
 """
 from __future__ import annotations
 
@@ -18,7 +24,13 @@ from typing import Literal, Mapping
 
 import torch
 
-from fleetrl.engines.fast.arch import DecoderSpec, model_weights, read_spec, weight_fingerprint
+from fleetrl import heartbeat
+from fleetrl.engines.fast.arch import (
+    DecoderSpec,
+    model_weights,
+    read_spec,
+    weight_fingerprint,
+)
 from fleetrl.engines.fast.forward import DecoderForward
 from fleetrl.engines.fast.graphs import DecodeGraphs, batch_buckets, bucket_for
 from fleetrl.engines.fast.postprocess import assemble_output
@@ -27,6 +39,7 @@ from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers
 from fleetrl.engines.protocol import GenerationOutput, SamplingParams
 
 KV_BUCKET = 256  # kv-length granularity of the torch-path graphs (the Triton path reads exact lengths)
+SEQ_GRANULE = 64  # cache positions are allocated in multiples of this, so similar calls reuse one cache
 
 
 class FastRolloutEngine:
@@ -34,13 +47,17 @@ class FastRolloutEngine:
 
     kernels: "auto" uses the fused Triton kernels on CUDA when triton is installed, else torch ops; "torch"
     forces torch ops. sync_every: decode steps between host reads of the done flags. prefill_tokens: the
-    most (padded) prompt tokens prefilled in one forward.
+    most (padded) prompt tokens prefilled in one forward. compute_dtype: the dtype to decode in when it differs
+    from the model's (e.g. bf16 decode of an fp32 trainer on a CPU with AVX512-BF16): each call decodes with a
+    copy of the weights cast at its start and freed at its end (2 bytes x parameters while generating); None
+    = rollout.compute_dtype of the run config, else the model's.
+    Sampled-token logprobs then come from the cast weights (the trainer's recomputation stays in its dtype).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: object | None, *, device: torch.device | str,
                  max_batch: int = 256, max_seq_len: int = 2048, use_cuda_graphs: bool | None = None, seed: int = 0,
                  kernels: Literal["auto", "triton", "torch"] = "auto", sync_every: int = 16,
-                 prefill_tokens: int = 32768) -> None:
+                 prefill_tokens: int = 32768, compute_dtype: torch.dtype | None = None) -> None:
         if max_batch < 1 or max_seq_len < 2 or sync_every < 1:
             raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, sync_every >= 1; got {max_batch}, "
                              f"{max_seq_len}, {sync_every}")
@@ -49,28 +66,38 @@ class FastRolloutEngine:
         self.spec: DecoderSpec = read_spec(model)
         self.max_batch, self.max_seq_len, self.sync_every = max_batch, max_seq_len, sync_every
         self.prefill_tokens = max(prefill_tokens, max_seq_len)
-        self.dtype = self._check_weights()
+        self.model_dtype = self._check_weights()
+        self.dtype = compute_dtype or self.model_dtype
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         if self.use_cuda_graphs and self.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs a CUDA device; pass use_cuda_graphs=None or False on CPU")
+        if self.use_cuda_graphs and self.dtype != self.model_dtype:
+            raise ValueError(f"compute_dtype={self.dtype} differs from the model's {self.model_dtype}: the per-call "
+                             "weight copy would invalidate CUDA graphs; cast the model instead, or pass "
+                             "use_cuda_graphs=False")
         self.kernels = _load_kernels(kernels, self.device, self.spec, self.dtype)
         self._fwd = DecoderForward(model, self.spec, max_seq_len, self.dtype, self.device, self.kernels)
         self._eos = _eos_ids(model, tokenizer)
         self._rng = torch.Generator().manual_seed(seed)
-        self._buckets = batch_buckets(max_batch)
+        self._buckets = batch_buckets(max_batch)  # per-allocation buckets are these, capped at its slot count
         self._buf: SlotBuffers | None = None
         self._graphs: DecodeGraphs | None = None
         self._fingerprint: tuple[int, ...] = ()
         self.weights_version = 0
-        self.stats = {"decode_steps": 0, "prefills": 0, "syncs": 0}
+        self.stats = {"decode_steps": 0, "prefills": 0, "prefilled_prompts": 0, "syncs": 0}
 
     # ------------------------------------------------------------------------------------------ protocol
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> GenerationOutput:
         rows = self._unpad(prompts, prompt_mask, params)
-        buf = self._ready()
+        buf = self._ready(len(rows), max(len(r) for r in rows) + params.max_new_tokens)
         key = self._configure(buf, params)
-        tok, lp, counts = self._run(buf, rows, params.max_new_tokens, key)
+        if self.dtype != self.model_dtype:
+            self._fwd.cast_for_call(self.dtype)
+        try:
+            tok, lp, counts = self._run(buf, rows, params.max_new_tokens, key)
+        finally:
+            self._fwd.shadow = None
         stop_set = set(self._eos) | set(params.stop_token_ids)
         return assemble_output(tok, lp, counts, stop_set, params.stop_strings, self.tokenizer, prompts.device)
 
@@ -96,7 +123,7 @@ class FastRolloutEngine:
             torch.cuda.empty_cache()
 
     def wake(self) -> None:
-        self._ready()
+        """Nothing to restore: the next `generate` allocates a cache of the size it needs."""
 
     # ------------------------------------------------------------------------------------------ setup
     def _check_weights(self) -> torch.dtype:
@@ -112,9 +139,15 @@ class FastRolloutEngine:
                              "(e.g. model.to(torch.bfloat16)) or give the engine a bf16 copy via load_weights")
         return dtypes.pop()
 
-    def _ready(self) -> SlotBuffers:
-        if self._buf is None:
-            self._buf = SlotBuffers.allocate(self.spec, self.max_batch, self.max_seq_len, self.dtype, self.device)
+    def _ready(self, batch: int, seq_len: int) -> SlotBuffers:
+        """Buffers with at least min(batch, max_batch) slots (a bucket size) and seq_len positions."""
+        slots = bucket_for(min(batch, self.max_batch), self._buckets)
+        positions = min(-(-seq_len // SEQ_GRANULE) * SEQ_GRANULE, self.max_seq_len)
+        if self._buf is None or self._buf.slots < slots or self._buf.seq_len < positions:
+            if self._buf is not None:  # grow to cover both the old and the new need
+                slots, positions = max(slots, self._buf.slots), max(positions, self._buf.seq_len)
+            self._buf = None  # drop the old cache before allocating the new one
+            self._buf = SlotBuffers.allocate(self.spec, slots, positions, self.dtype, self.device)
             self._graphs = None
         fingerprint = weight_fingerprint(model_weights(self.model))
         if fingerprint != self._fingerprint:  # parameters re-allocated: graphs hold stale addresses
@@ -156,7 +189,8 @@ class FastRolloutEngine:
     def _run(self, buf: SlotBuffers, rows: list[torch.Tensor], max_new: int,
              key: SamplerKey) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Continuous batching over all requests -> (tokens [B, max_new], logprobs [B, max_new], counts)."""
-        free = list(range(self.max_batch))
+        free = list(range(buf.slots))
+        buckets = [b for b in self._buckets if b < buf.slots] + [buf.slots]
         pending = deque(range(len(rows)))
         running: dict[int, int] = {}           # slot -> request
         length: dict[int, int] = {}            # slot -> prompt length
@@ -165,12 +199,13 @@ class FastRolloutEngine:
         counts = [0] * len(rows)
         buf.done.fill_(True)
         while pending or running:
+            heartbeat.beat()
             if pending and free:
                 admit = [(heapq.heappop(free), pending.popleft()) for _ in range(min(len(free), len(pending)))]
                 self._prefill(buf, rows, admit, max_new, key)
                 for slot, req in admit:
                     running[slot], length[slot], sampled[slot] = req, len(rows[req]), 1
-            nb = bucket_for(max(running) + 1, self._buckets)
+            nb = bucket_for(max(running) + 1, buckets)
             for _ in range(min(self.sync_every, max(max_new - sampled[s] for s in running))):
                 self._decode(nb, max(length[s] + sampled[s] for s in running), key)
                 for s in running:
@@ -193,29 +228,43 @@ class FastRolloutEngine:
 
     def _prefill(self, buf: SlotBuffers, rows: list[torch.Tensor], admit: list[tuple[int, int]], max_new: int,
                  key: SamplerKey) -> None:
-        for chunk in _chunks(admit, rows, self.prefill_tokens):
+        groups = _same_prompt_groups(admit, rows)
+        by_leader = {g[0][0]: g for g in groups}
+        for chunk in _chunks([g[0] for g in groups], rows, self.prefill_tokens):
             lens = [len(rows[r]) for _, r in chunk]
             toks = torch.zeros(len(chunk), max(lens), dtype=torch.long)
             for i, (_, r) in enumerate(chunk):
                 toks[i, : lens[i]] = rows[r]
             dev = dict(device=self.device)
-            slots = torch.tensor([s for s, _ in chunk], **dev)
-            reqs = torch.tensor([r for _, r in chunk], **dev)
-            lengths = torch.tensor(lens, **dev)
-            logits = self._fwd.prefill(buf.k, buf.v, toks.to(self.device), lengths, slots)
-            tok, lp = sample(logits, key, buf.temperature, buf.seed, reqs, torch.zeros_like(reqs), self.kernels)
+            leader_slots = torch.tensor([s for s, _ in chunk], **dev)
+            logits = self._fwd.prefill(buf.k, buf.v, toks.to(self.device), torch.tensor(lens, **dev), leader_slots)
+            # Every member of a leader's group starts from the leader's cache rows and last-token logits; its
+            # own request index keys its random stream, so the n samples of one prompt still differ.
+            members = [(i, s, r) for i, (slot, _) in enumerate(chunk) for s, r in by_leader[slot]]
+            of = torch.tensor([i for i, _, _ in members], **dev)
+            slots = torch.tensor([s for _, s, _ in members], **dev)
+            reqs = torch.tensor([r for _, _, r in members], **dev)
+            lengths = torch.tensor([lens[i] for i, _, _ in members], **dev)
+            followers = slots != leader_slots[of]
+            if bool(followers.any()):
+                width = max(lens)
+                src, dst = leader_slots[of][followers], slots[followers]
+                buf.k[:, dst, :, :width] = buf.k[:, src, :, :width]
+                buf.v[:, dst, :, :width] = buf.v[:, src, :, :width]
+            tok, lp = sample(logits[of], key, buf.temperature, buf.seed, reqs, torch.zeros_like(reqs), self.kernels)
             buf.out_tok[slots, 0], buf.out_lp[slots, 0] = tok, lp
             buf.tokens[slots], buf.pos[slots], buf.req[slots] = tok, lengths, reqs
             buf.count[slots], buf.limit[slots] = 1, max_new
             buf.done[slots] = is_stop(tok, buf.stop_ids) | (max_new <= 1)
             self.stats["prefills"] += 1
+            self.stats["prefilled_prompts"] += len(chunk)
 
     def _decode(self, nb: int, kv_len: int, key: SamplerKey) -> None:
         self.stats["decode_steps"] += 1
         if self._graphs is None:
             self._step((nb, kv_len, key))
             return
-        kv = 0 if self.kernels is not None else min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self.max_seq_len)
+        kv = 0 if self.kernels is not None else min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self._buf.seq_len)
         self._graphs.run((nb, kv, key))
 
     def _step(self, graph_key: tuple[int, int, SamplerKey]) -> None:
@@ -237,6 +286,15 @@ class FastRolloutEngine:
         buf.pos[:nb] += live
         buf.tokens[:nb] = tok
         buf.done[:nb] = was_done | is_stop(tok, buf.stop_ids) | (buf.count[:nb] >= buf.limit[:nb])
+
+
+def _same_prompt_groups(admit: list[tuple[int, int]], rows: list[torch.Tensor]) -> list[list[tuple[int, int]]]:
+    """Admitted (slot, request) pairs grouped by identical prompt tokens, in admission order; the first pair of
+    each group is its leader, the one that is prefilled."""
+    groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for slot, req in admit:
+        groups.setdefault(tuple(rows[req].tolist()), []).append((slot, req))
+    return list(groups.values())
 
 
 def _chunks(admit: list[tuple[int, int]], rows: list[torch.Tensor], budget: int) -> list[list[tuple[int, int]]]:

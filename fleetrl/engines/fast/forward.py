@@ -15,7 +15,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fleetrl.engines.fast.arch import DecoderSpec, ModelWeights, model_weights, rope_tables
+from fleetrl.engines.fast.arch import (
+    DecoderSpec,
+    ModelWeights,
+    cast_weights,
+    model_weights,
+    rope_tables,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,8 +53,17 @@ class DecoderForward:
         # second stream, which the CUDA graph captures as parallel branches.
         self._side = torch.cuda.Stream(device) if kernels is not None and device.type == "cuda" else None
 
+        # A copy of the weights in the compute dtype, set for the duration of a generate call when the model's
+        # own dtype differs (fp32 trainer, bf16 decode); None = decode with the model's tensors in place.
+        self.shadow: ModelWeights | None = None
+
     def weights(self) -> ModelWeights:
-        return model_weights(self.model)
+        return self.shadow if self.shadow is not None else model_weights(self.model)
+
+    def cast_for_call(self, dtype: torch.dtype) -> None:
+        """Takes a `dtype` copy of the model's current weights (they change in place between calls)."""
+        self.shadow = None  # free the previous copy first
+        self.shadow = cast_weights(model_weights(self.model), dtype)
 
     # ----------------------------------------------------------------------------------------- prefill
     def prefill(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,

@@ -60,6 +60,14 @@ class SlotBuffers:
             temperature=torch.ones(1, dtype=torch.float32, device=device))
 
     @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
     def junk_col(self) -> int:
         return self.out_tok.shape[1] - 1
 

@@ -1,0 +1,163 @@
+"""The worker-call watchdog: every call on a Ray worker has a deadline, and a call that stops making progress is
+found, named and turned into an error the supervisor recovers from — never waited on.
+
+Progress is read on a side channel: each worker actor has one free concurrency slot, where `Worker.progress`
+answers the process's heartbeat count (fleetrl/heartbeat.py: decode steps, micro-batches, weight buckets). A
+worker whose count has not moved — or that has not answered at all (a SIGSTOPped process, a frozen node) — for
+`cluster.stall_s` is stalled. A slow worker that keeps beating is left alone until the call's deadline.
+
+Deadlines (`cluster.call_timeout_s`): `auto` allows `cluster.first_call_timeout_s` for the first call of each verb
+(model load, compile, CUDA-graph capture) and afterwards max(floor, 5 × the slowest of its last 10 durations);
+a number fixes it; `cluster.call_timeouts` overrides per verb.
+
+On a stall or a deadline the Python stacks of the stuck workers are dumped (py-spy, on their own node) under
+RUN_DIR/stalls/step_N/ and the error names pool, rank, node, pid, phase and seconds waited.
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from fleetrl.config.schema import ClusterConfig
+
+AUTO_FACTOR, AUTO_HISTORY, AUTO_FLOOR_S = 5.0, 10, 300.0
+
+
+class StallError(RuntimeError):
+    """A worker made no progress (or missed its deadline); recoverable like a lost worker."""
+
+
+@dataclass(frozen=True)
+class Call:
+    ref: Any
+    handle: Any
+    pool: str
+    rank: int
+    info: dict  # Worker.node_info of the worker: ip, pid, node_id
+
+
+@dataclass
+class Deadlines:
+    """Per-verb call deadlines from recent durations (see module docstring)."""
+    cfg: ClusterConfig
+    history: dict[str, deque] = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=AUTO_HISTORY)))
+
+    def of(self, verb: str) -> float:
+        if verb in self.cfg.call_timeouts:
+            return float(self.cfg.call_timeouts[verb])
+        if self.cfg.call_timeout_s != "auto":
+            return float(self.cfg.call_timeout_s)
+        seen = self.history[verb]
+        if not seen:
+            return self.cfg.first_call_timeout_s
+        return max(AUTO_FLOOR_S, AUTO_FACTOR * max(seen))
+
+    def record(self, verb: str, seconds: float) -> None:
+        self.history[verb].append(seconds)
+
+
+def watch(calls: list[Call], *, verb: str, timeout_s: float, stall_s: float, stall_dir: Path | None,
+          step: int) -> list[Any]:
+    """ray.get of every call, failing fast on the first error, and raising StallError on a stall or deadline."""
+    start = time.monotonic()
+    last_move = {i: start for i in range(len(calls))}
+    last_count: dict[int, int] = {}
+    pings: dict[int, Any] = {}
+    pending = {c.ref: i for i, c in enumerate(calls)}
+    poll = max(0.05, min(1.0, stall_s / 4))
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=poll)
+        for ref in ready:
+            ray.get(ref)  # raises the worker's own error now, even while other ranks block in a collective
+            pending.pop(ref)
+        if not pending:
+            break
+        now = time.monotonic()
+        _read_pings(calls, pending.values(), pings, last_count, last_move, now)
+        stuck = [i for i in pending.values() if now - last_move[i] > stall_s]
+        if stuck or now - start > timeout_s:
+            why = (f"made no progress for {now - last_move[stuck[0]]:.0f}s (cluster.stall_s={stall_s:g})" if stuck
+                   else f"did not finish within the call deadline of {timeout_s:.0f}s (cluster.call_timeout_s)")
+            culprits = [calls[i] for i in (stuck or sorted(pending.values()))]
+            raise StallError(_diagnose(culprits, calls, verb, why, now - start, stall_dir, step))
+    return ray.get([c.ref for c in calls])
+
+
+def _read_pings(calls: list[Call], running, pings: dict[int, Any], last_count: dict[int, int],
+                last_move: dict[int, float], now: float) -> None:
+    """One outstanding progress ping per running worker; a count that moved resets its stall clock."""
+    for i in running:
+        if i not in pings:
+            pings[i] = calls[i].handle.progress.remote()
+    done, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
+    done = set(done)
+    for i, ref in list(pings.items()):
+        if ref not in done:
+            continue  # unanswered: a frozen process never answers, so its clock keeps running
+        del pings[i]
+        try:
+            count = ray.get(ref)
+        except ray.exceptions.RayError:
+            continue
+        if last_count.get(i) != count:
+            last_count[i], last_move[i] = count, now
+
+
+def _diagnose(culprits: list[Call], calls: list[Call], verb: str, why: str, waited: float, stall_dir: Path | None,
+              step: int) -> str:
+    first = culprits[0]
+    names = ", ".join(f"rank {c.rank} (node {c.info.get('ip', '?')}, pid {c.info.get('pid', '?')})" for c in culprits)
+    lines = [f"pool '{first.pool}' {names} {why} in phase '{verb}' at step {step}; waited {waited:.0f}s."]
+    if stall_dir is not None:
+        stall_dir.mkdir(parents=True, exist_ok=True)
+        top = ""
+        for c in calls:  # every worker of the call: the stuck one, and where its peers wait for it
+            text = dump_stack(c.info)
+            (stall_dir / f"{c.pool}_r{c.rank}.txt").write_text(text)
+            if c is first:
+                top = " | ".join(_top_frames(text))
+        lines.append(f"top frames of rank {first.rank}: {top or 'unavailable'}")
+        lines.append(f"full stacks: {stall_dir}/")
+    lines.append("the supervisor recovers from the last checkpoint when trainer.max_restarts allows; see docs/hangs.md")
+    return "\n".join(lines)
+
+
+def dump_stack(info: dict, timeout_s: float = 20.0) -> str:
+    """Python stacks of a worker process via py-spy, run on the worker's own node (a Ray task pinned there when it
+    is not this node). --nonblocking reads a stopped or hung process without pausing it further."""
+    pid = info.get("pid")
+    if pid is None:
+        return "no pid known for this worker"
+    if info.get("node_id") in ("", None, ray.get_runtime_context().get_node_id()):
+        return _py_spy(int(pid), timeout_s)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(_py_spy).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        info["node_id"], soft=False))
+    try:
+        return ray.get(task.remote(int(pid), timeout_s), timeout=timeout_s + 5)
+    except Exception as e:  # noqa: BLE001 — a frozen node cannot run the task: say so, do not wait
+        return f"could not reach node {info.get('ip')} to dump pid {pid} ({type(e).__name__}): the node itself is unresponsive"
+
+
+def _py_spy(pid: int, timeout_s: float) -> str:
+    try:
+        out = subprocess.run(["py-spy", "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
+                             timeout=timeout_s)
+        return out.stdout or out.stderr
+    except FileNotFoundError:
+        return "py-spy is not installed (pip install py-spy) — no stack available"
+    except subprocess.TimeoutExpired:
+        return f"py-spy did not finish within {timeout_s:g}s for pid {pid}"
+
+
+def _top_frames(dump: str, n: int = 3) -> list[str]:
+    """The innermost frames of the first thread in a py-spy dump (lines that start with two spaces)."""
+    frames = [ln.strip() for ln in dump.splitlines() if ln.startswith("    ") and "(" in ln]
+    return frames[:n]

@@ -1,0 +1,77 @@
+"""The sweep manifest, `SWEEP_DIR/sweep.json`: what was asked (config, overrides, seeds, grid, resources) and
+each run's state, attempts and last error. Written atomically after every state change, so `--resume` and
+`fleetrl report` read a consistent file even when the sweep was killed mid-write."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fleetrl.sweep.spec import RunSpec
+
+MANIFEST = "sweep.json"
+VERSION = 1
+# queued -> running -> finished | failed; running -> queued again on a retry; stopped = interrupted by the user.
+STATES = ("queued", "running", "finished", "failed", "stopped")
+
+
+@dataclass(kw_only=True)
+class RunRecord:
+    name: str
+    seed: int
+    grid: dict[str, str]
+    state: str = "queued"
+    attempts: int = 0
+    failures: int = 0
+    """Attempts that died or stalled (a Ctrl-C is not one): `--retries` bounds these."""
+    exit_code: int | None = None
+    error: str | None = None
+    """Why the last attempt ended badly, and the tail of its log."""
+    resources: str = ""
+    ray_tmp: str | None = None
+    pid: int | None = None
+    """Session leader of the last attempt and its start time (psutil create_time): lets `--resume` find and end
+    the runs of a sweep that was killed with SIGKILL, without ever touching a reused pid."""
+    pid_created: float | None = None
+    started: float | None = None
+    """Unix time the last attempt started / ended (shows which runs overlapped)."""
+    ended: float | None = None
+
+    @property
+    def spec(self) -> RunSpec:
+        return RunSpec(name=self.name, seed=self.seed, grid=dict(self.grid))
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    config: str
+    """The base config as copied into the sweep dir (so a resume does not depend on the original file)."""
+    overrides: list[str]
+    seeds: list[int]
+    grid: dict[str, list[str]]
+    runs: list[RunRecord]
+    options: dict = field(default_factory=dict)
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    version: int = VERSION
+
+    def save(self, sweep_dir: Path) -> None:
+        tmp = sweep_dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, sweep_dir / MANIFEST)
+
+    @classmethod
+    def load(cls, sweep_dir: Path) -> Manifest:
+        path = Path(sweep_dir) / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: --resume takes a directory made by `fleetrl sweep` "
+                                    f"(its --out), which holds {MANIFEST}")
+        raw = json.loads(path.read_text())
+        if raw.get("version") != VERSION:
+            raise ValueError(f"{path}: manifest version {raw.get('version')}, this fleetrl reads {VERSION}")
+        raw["runs"] = [RunRecord(**r) for r in raw["runs"]]
+        return cls(**raw)
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(r.state == s for r in self.runs) for s in STATES if any(r.state == s for r in self.runs)}

@@ -1,0 +1,75 @@
+"""The run directory: unique by default, never shared by two live runs, never silently mixed with another run.
+
+- Default `runs/<name>-<YYYYmmdd-HHMMSS-mmm>-s<seed>-<random>`: seeded runs launched together get distinct
+  directories (created atomically with mkdir, so a collision is retried, never shared).
+- An explicit trainer.output_dir that already holds a run is refused unless trainer.resume says to continue it.
+- A lock (flock on RUN/.lock) refuses a second live run in the same directory.
+"""
+from __future__ import annotations
+
+import difflib
+import fcntl
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import IO
+
+from fleetrl.config import dump_yaml
+from fleetrl.config.load import redact_yaml_text
+from fleetrl.config.schema import RunConfig
+from fleetrl.errors import UserError
+
+
+class RunDirError(UserError):
+    """The run directory cannot be used as asked; the message says why and what to set instead."""
+
+
+def claim_run_dir(cfg: RunConfig) -> tuple[Path, IO]:
+    """Creates (or re-opens, when resuming) the run directory and locks it. Returns (dir, lock handle)."""
+    out = Path(cfg.trainer.output_dir) if cfg.trainer.output_dir else _fresh(cfg)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "a+")
+    except OSError as e:
+        raise RunDirError(f"cannot create the run directory {out}: {e.strerror}; set trainer.output_dir to a "
+                          f"writable path") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        raise RunDirError(f"another fleetrl run (pid {lock.read().strip() or '?'}) is writing to {out}; give this "
+                          f"run its own trainer.output_dir (or leave it unset for a unique one)") from None
+    lock.seek(0), lock.truncate(), lock.write(str(os.getpid())), lock.flush()
+    if cfg.trainer.resume == "never" and _holds_a_run(out):
+        lock.close()
+        raise RunDirError(f"{out} already holds a run (metrics.jsonl / checkpoints); continue it with "
+                          f"trainer.resume=auto, or choose another trainer.output_dir.{_config_diff(out, cfg)}")
+    return out, lock
+
+
+def _fresh(cfg: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{int(time.time() * 1000) % 1000:03d}"
+    for _ in range(8):
+        path = Path("runs") / f"{cfg.trainer.name}-{stamp}-s{cfg.trainer.seed}-{secrets.token_hex(2)}"
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise RunDirError("could not create a unique run directory under runs/; set trainer.output_dir")
+
+
+def _holds_a_run(out: Path) -> bool:
+    return (out / "metrics.jsonl").is_file() or any((out / "checkpoints").glob("step_*"))
+
+
+def _config_diff(out: Path, cfg: RunConfig) -> str:
+    saved = out / "config.yaml"
+    if not saved.is_file():
+        return ""
+    # an older run's file may hold a secret in clear: redact it before it reaches a message
+    diff = list(difflib.unified_diff(redact_yaml_text(saved.read_text()).splitlines(), dump_yaml(cfg).splitlines(), "that run",
+                                     "this run", lineterm="", n=0))[2:]
+    changes = [d for d in diff if not d.startswith("@@")]
+    return (" Its config differs in: " + "; ".join(changes[:12])) if changes else " Its config is the same."

