@@ -22,8 +22,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (build_qwen2, copy_bandwidth, device_info, kv_bytes_per_token, matmul_params,  # noqa: E402
-                          matmul_tflops, out_dir, print_table, wall_time, write_json)
+from bench.common import (  # noqa: E402
+    build_qwen2,
+    copy_bandwidth,
+    device_info,
+    kv_bytes_per_token,
+    matmul_params,
+    matmul_tflops,
+    out_dir,
+    print_table,
+    wall_time,
+    write_json,
+)
 from fleetrl.engines.fast import FastRolloutEngine  # noqa: E402
 from fleetrl.engines.protocol import SamplingParams  # noqa: E402
 

@@ -21,8 +21,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (build_qwen2, device_info, event_time, matmul_params, matmul_tflops, out_dir,  # noqa: E402
-                          peak_bf16_tflops, print_table, write_json)
+from bench.common import (  # noqa: E402
+    build_qwen2,
+    device_info,
+    event_time,
+    matmul_params,
+    matmul_tflops,
+    out_dir,
+    peak_bf16_tflops,
+    print_table,
+    write_json,
+)
 
 
 def step_flops(model: torch.nn.Module, batch: int, seq: int) -> float:

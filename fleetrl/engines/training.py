@@ -27,6 +27,7 @@ from fleetrl import heartbeat
 from fleetrl.config.schema import OptimConfig
 from fleetrl.models.hf import release_freed_memory
 
+
 @dataclass(frozen=True, kw_only=True)
 class DistInfo:
     rank: int = 0

@@ -14,8 +14,18 @@ from typing import Callable, Iterator
 
 import torch
 
-from fleetrl.algo import (ADVANTAGES, AdvantageInputs, apply_kl_penalty, fold_kl_into_scores, kl_estimate,
-                          make_kl_controller, mask_truncated, masked_mean, overlong_penalty, rollout_correction)
+from fleetrl.algo import (
+    ADVANTAGES,
+    AdvantageInputs,
+    apply_kl_penalty,
+    fold_kl_into_scores,
+    kl_estimate,
+    make_kl_controller,
+    mask_truncated,
+    masked_mean,
+    overlong_penalty,
+    rollout_correction,
+)
 from fleetrl.batch import Batch
 from fleetrl.cluster.group import WorkerGroup
 from fleetrl.config.plan import Plan

@@ -6,7 +6,12 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from fleetrl.checkpoint.delta import (
-    apply_delta, apply_deltas, export_from_deltas, load_delta, make_delta, save_delta,
+    apply_delta,
+    apply_deltas,
+    export_from_deltas,
+    load_delta,
+    make_delta,
+    save_delta,
 )
 from fleetrl.models.hf import load_causal_lm, load_tokenizer
 

@@ -3,11 +3,14 @@ AutoModelForCausalLM loads and that gives the trained model's logits."""
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fleetrl.checkpoint.export import load_actor_model
 from tests.integration.helpers import train_run
+
+pytestmark = pytest.mark.slow  # each test trains and/or runs the `fleetrl export` CLI in a subprocess
 
 ARGS = ("model.path=tiny:", "cluster.backend=local", "trainer.total_steps=4", "trainer.save_every=2",
         "trainer.keep_last=0", "trainer.delta_checkpoints=exact", "data.prompts_per_step=8", "data.val=null",

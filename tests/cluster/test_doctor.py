@@ -30,7 +30,8 @@ def _node(ip: str, cpus: float, gpus: float = 0, head: bool = False) -> NodeInfo
 
 
 def _plan(**pools: tuple[int, int, dict]) -> SimpleNamespace:
-    return SimpleNamespace(pools={name: PoolPlan(name=name, nodes=n, bundles_per_node=b, bundle=bundle, roles=(), cpu_threads=1)
+    return SimpleNamespace(pools={name: PoolPlan(name=name, nodes=n, bundles_per_node=b, bundle=bundle, roles=(),
+                                           cpu_threads=1)
                                   for name, (n, b, bundle) in pools.items()})
 
 

@@ -25,6 +25,8 @@ from tests.netns import live_group_members  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "fleetrl.cli.main"]
+# Every test on the `head` fixture starts a real Ray head through the CLI (~15 s on a busy 2-core box).
+SLOW = pytest.mark.slow
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
@@ -158,6 +160,7 @@ def test_secret_override_is_refused_but_a_reference_passes():
         "c.yaml", ["rewards.remote_token=${env:FLEETRL_REWARD_TOKEN}"])
 
 
+@SLOW
 def test_submit_runs_fleetrl_train_on_the_cluster(head):
     token_file = str(head["root"] / "token")
     result = _cli("submit", "missing.yaml", "trainer.total_steps=1", "--address", head["url"], "--working-dir",
@@ -172,12 +175,14 @@ def test_submit_runs_fleetrl_train_on_the_cluster(head):
     assert job_id in listed.output
 
 
+@SLOW
 def test_state_file_is_private_and_redacts_secret_env(head):
     assert head["state"].stat().st_mode & 0o777 == 0o600
     assert read_state(head["state"]).env["FLEETRL_TEST_API_KEY"] == "***"
     assert "hidden-value" not in head["state"].read_text()
 
 
+@SLOW
 def test_logs_follow_streams_until_the_job_ends(head):
     # The job's driver joins the token-protected cluster with no setup: it inherits the raylet's auth env.
     entrypoint = "python -c 'import ray; ray.init(); print(\"hello-from-job\", len(ray.nodes()))'"
@@ -189,6 +194,7 @@ def test_logs_follow_streams_until_the_job_ends(head):
     assert _wait(head, job_id, TERMINAL).status == "SUCCEEDED"
 
 
+@SLOW
 def test_stop_ends_a_running_job(head):
     job_id = jobs.submit_entrypoint(head["url"], "python -u -c 'import time; print(\"up\"); time.sleep(300)'",
                                     working_dir=head["workdir"], token=head["token"])
@@ -200,10 +206,12 @@ def test_stop_ends_a_running_job(head):
     assert "STOPPED" in status.output
 
 
+@SLOW
 def test_job_api_rejects_a_client_without_the_token(head):
-    with pytest.raises(Exception) as err:
+    from ray.exceptions import AuthenticationError
+
+    with pytest.raises(AuthenticationError, match="Missing authentication token"):
         jobs.list_jobs(head["url"], token=None)
-    assert "auth" in str(err.value).lower() or "401" in str(err.value)
 
 
 def test_address_must_be_the_dashboard_url():

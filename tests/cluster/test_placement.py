@@ -18,8 +18,12 @@ NODES = [NodeResources("n1", "10.0.0.1", {"CPU": 8, "GPU": 8}, {"CPU": 8, "GPU":
          NodeResources("n2", "10.0.0.2", {"CPU": 8, "GPU": 4}, {"CPU": 8, "GPU": 4})]
 
 
-def test_fits():
-    check_feasible([_pool(nodes=2, per_node=4, CPU=0.25, GPU=1)], NODES)
+def test_fits_up_to_the_smaller_node():
+    # n2 holds 4 GPUs: 2 nodes × 4 workers fit exactly; 2 × 5 needs 10 of the 12 GPUs but no 2 nodes hold 5 each.
+    assert check_feasible([_pool(nodes=2, per_node=4, CPU=0.25, GPU=1)], NODES) is None
+    with pytest.raises(PlacementError, match=r"not in that per-node shape"):
+        check_feasible([_pool(nodes=2, per_node=5, CPU=0.25, GPU=1)], NODES)
+    assert NODES[1].available == {"CPU": 8, "GPU": 4}  # the check works on a copy of what is free
 
 
 def test_too_many_gpus_in_total():
@@ -38,6 +42,7 @@ def test_pools_compete_for_one_node():
         check_feasible([_pool("a", per_node=8, CPU=0.1, GPU=1), _pool("b", per_node=8, CPU=0.1, GPU=1)], NODES)
 
 
+@pytest.mark.slow  # starts Ray
 @pytest.mark.parametrize("overrides,needle", [
     (["cluster.pools.main.gpus_per_worker=1"], "GPU: needs 1, cluster has 0"),
     (["cluster.pools.main.cpus_per_worker=64"], "CPU: needs 64"),

@@ -78,6 +78,7 @@ def cluster():
             shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.slow  # a `fleetrl cluster up` subprocess
 def test_worker_without_token_fails_fast(tmp_path):
     """No token anywhere: the worker stops before waiting for the head, and says where the token goes."""
     start = time.monotonic()
@@ -120,6 +121,7 @@ def test_wait_for_port_backs_off_until_the_head_listens():
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_worker_joins_from_env_and_head_wait_returns(cluster):
     root = cluster["root"]
@@ -139,6 +141,7 @@ def test_worker_joins_from_env_and_head_wait_returns(cluster):
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_network_env_reaches_actor_on_worker(cluster):
     a, b, root = cluster["a"], cluster["b"], cluster["root"]
@@ -169,6 +172,7 @@ def _doctor(cluster, path: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_doctor_passes_across_two_hosts(cluster):
     done = _doctor(cluster, cluster["root"] / "shared")
@@ -182,6 +186,7 @@ def test_doctor_passes_across_two_hosts(cluster):
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_doctor_fails_with_fix_when_checkpoint_path_not_shared(cluster):
     done = _doctor(cluster, cluster["root"] / "private")  # a tmpfs on the worker, a plain dir on the head
@@ -194,6 +199,7 @@ def test_doctor_fails_with_fix_when_checkpoint_path_not_shared(cluster):
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_status_then_down_stops_only_what_up_started_and_releases_the_worker(cluster):
     a, b, root, env = cluster["a"], cluster["b"], cluster["root"], cluster["env"]

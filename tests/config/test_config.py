@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from fleetrl.config import ConfigError, derive_plan, load_config
@@ -28,8 +30,9 @@ def test_wrong_type_names_key():
 
 def test_config_is_frozen():
     cfg = load_config(None)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'n'"):
         cfg.rollout.n = 4  # type: ignore[misc]
+    assert cfg.rollout.n == 8
 
 
 def test_plan_hand_computed():
@@ -71,8 +74,17 @@ def test_unknown_names_and_pools():
         _plan("cluster.roles.critic=gpu", "algorithm.advantage=gae")
 
 
-def test_example_configs_derive(tmp_path):
+def test_example_configs_derive():
     import pathlib
 
-    for path in sorted(pathlib.Path("examples").glob("*.yaml")):
-        derive_plan(load_config(path))
+    plans = {path.stem: derive_plan(load_config(path)) for path in sorted(pathlib.Path("examples").glob("*.yaml"))}
+    for name, p in plans.items():
+        c = p.config
+        assert p.samples_per_step == c.data.prompts_per_step * c.rollout.n, name
+        assert p.total_steps == c.trainer.total_steps, name
+    # quickstart: GRPO, 32 prompts × 8 = 256 samples, one mini-batch, no critic or reference.
+    q = plans["quickstart"]
+    assert (q.samples_per_step, q.num_mini_batches, q.use_critic, q.use_ref) == (256, 1, False, False)
+    # ppo_tiny: GAE critic and a KL reference, 16 × 8 = 128 samples; 160 steps × 1 mini-batch × 1 epoch.
+    ppo = plans["ppo_tiny"]
+    assert (ppo.samples_per_step, ppo.use_critic, ppo.use_ref, ppo.actor_optimizer_steps) == (128, True, True, 160)

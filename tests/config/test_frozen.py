@@ -11,7 +11,8 @@ from fleetrl.config.frozen import FrozenDict
 
 @pytest.fixture
 def plan():
-    return derive_plan(load_config("examples/ppo_tiny.yaml", ["cluster.env={A: '1'}", "rewards.sources={x: exact_match}"]))
+    return derive_plan(load_config("examples/ppo_tiny.yaml",
+                                   ["cluster.env={A: '1'}", "rewards.sources={x: exact_match}"]))
 
 
 def test_top_level_and_nested_fields_raise_frozen_instance_error(plan):

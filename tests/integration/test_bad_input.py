@@ -45,7 +45,8 @@ def test_unknown_data_source_fails_before_training(tmp_path):
     with pytest.raises(RewardError, match=r"my/unknown_task.*rewards\.sources"):
         train_run("examples/quickstart.yaml", tmp_path / "out", *FAST, f"data.train={path}")
     assert time.time() - t0 < 30
-    assert not (tmp_path / "out" / "metrics.jsonl").exists() or "train/" not in (tmp_path / "out" / "metrics.jsonl").read_text()
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    assert not metrics.exists() or "train/" not in metrics.read_text()
 
 
 def test_unknown_key_and_batch_arithmetic():

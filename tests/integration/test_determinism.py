@@ -4,7 +4,8 @@ import pytest
 from tests.integration.helpers import train_run
 
 pytestmark = pytest.mark.slow
-ARGS = ("trainer.total_steps=4", "trainer.val_every=2", "data.prompts_per_step=8", "algorithm.mini_batch_prompts=4", "algorithm.micro_batch_size=8")
+ARGS = ("trainer.total_steps=4", "trainer.val_every=2", "data.prompts_per_step=8", "algorithm.mini_batch_prompts=4",
+        "algorithm.micro_batch_size=8")
 
 
 def _strip_timing(records):

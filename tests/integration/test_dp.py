@@ -10,7 +10,8 @@ from fleetrl.workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 
-OVERRIDES = ["data.prompts_per_step=8", "rollout.n=4", "algorithm.mini_batch_prompts=4", "algorithm.micro_batch_size=4", "model.path=tiny:",
+OVERRIDES = ["data.prompts_per_step=8", "rollout.n=4", "algorithm.mini_batch_prompts=4", "algorithm.micro_batch_size=4",
+             "model.path=tiny:",
              "algorithm.ppo_epochs=2", "actor.optim.lr=0.001", "critic.optim.lr=0.001",
              "cluster.pools.main.cpus_per_worker=0.5", "tracking.console=false", "tracking.progress=false"]
 
@@ -52,7 +53,7 @@ def test_dp2_equals_dp1(tmp_path, ray_local):
     for states, ref in ((actor2, actor1[0]), (critic2, critic1[0])):
         for state in states:
             for k, v in ref.items():
-                torch.testing.assert_close(state[k], v, atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+                torch.testing.assert_close(state[k], v, atol=1e-5, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
     moved = max((actor1[0][k] - v).abs().max().item() for k, v in _initial_actor(tmp_path).items())
     assert moved > 1e-4, "the update must actually change the weights"
 

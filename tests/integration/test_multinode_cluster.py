@@ -38,7 +38,8 @@ def three_nodes():
 
 def test_roles_land_on_their_nodes(tmp_path, three_nodes):
     cfg = load_config("examples/ppo_tiny.yaml", [*POOLS, "trainer.total_steps=3", "trainer.val_every=0",
-                                                 "data.val=null", "data.prompts_per_step=8", "algorithm.mini_batch_prompts=8",
+                                                 "data.val=null", "data.prompts_per_step=8",
+                                                 "algorithm.mini_batch_prompts=8",
                                                  "tracking.console=false", "tracking.progress=false"])
     plan = derive_plan(cfg)
     trainer = Trainer(plan, Tracker(tmp_path, cfg.tracking, {}, "mn"), tmp_path)

@@ -74,7 +74,8 @@ def hosts():
 
 def _pools(a_ip: str, b_ip: str) -> list[str]:
     return ["cluster.pools={main: {cpus_per_worker: 0.5, resources: {'node:%s': 0.01}}, "
-            "far: {cpus_per_worker: 0.5, resources: {'node:%s': 0.01}}}" % (a_ip, b_ip), "cluster.roles={actor: main, rollout: main, ref: main, critic: far}", "model.path=tiny:",
+            "far: {cpus_per_worker: 0.5, resources: {'node:%s': 0.01}}}" % (a_ip, b_ip),
+            "cluster.roles={actor: main, rollout: main, ref: main, critic: far}", "model.path=tiny:",
             "data.prompts_per_step=8", "algorithm.mini_batch_prompts=8", "data.val=null", "trainer.val_every=0"]
 
 
@@ -89,7 +90,7 @@ def test_two_steps_with_critic_on_worker_host(hosts):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     where = json.loads(done.stdout.split("WHERE ", 1)[1].splitlines()[0])
     assert where == {"actor": a.ip, "rollout": a.ip, "ref": a.ip, "critic": b.ip}
-    steps = [json.loads(l) for l in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "train/critic/vf_loss" in s] == [1, 2]
 
 
@@ -97,7 +98,8 @@ def _kill_host_at_step(b: netns.Host, metrics: Path, step: int, state: dict, the
     def kill() -> None:
         deadline = time.time() + 300
         while time.time() < deadline:
-            if metrics.exists() and any(f'"step": {step}' in l and "train/" in l for l in metrics.read_text().splitlines()):
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if any(f'"step": {step}' in line and "train/" in line for line in lines):
                 pids = subprocess.run(["ip", "netns", "pids", b.name], capture_output=True, text=True).stdout.split()
                 for pid in pids:  # every Ray process of the worker host: the node is gone
                     try:
@@ -131,7 +133,7 @@ def test_node_loss_falls_back_to_the_surviving_host(hosts):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     where = json.loads(done.stdout.split("WHERE ", 1)[1].splitlines()[0])
     assert where["critic"] == a.ip, "after the fallback the critic runs on the surviving host"
-    records = [json.loads(l) for l in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("event") == "fallback_placement" for r in records)
     # the fallback happens on the FIRST restart: Ray already knows the host is gone, so nothing waits for it
     assert len([r for r in records if r.get("event") == "restart"]) == 1
@@ -150,12 +152,12 @@ def test_node_loss_recovers_with_replacement(hosts):
         _start_worker(b, a, root, "worker2")  # a replacement host joins at the same address
 
     t = _kill_host_at_step(b, metrics, 3, state, then=replace)
-    done = _drive(a, root, *_pools(a.ip, b.ip), "trainer.total_steps=6", "trainer.save_every=2", "trainer.max_restarts=2",
-                  "trainer.restart_wait_s=120", "cluster.placement_timeout_s=90", timeout=560)
+    done = _drive(a, root, *_pools(a.ip, b.ip), "trainer.total_steps=6", "trainer.save_every=2",
+                  "trainer.max_restarts=2", "trainer.restart_wait_s=120", "cluster.placement_timeout_s=90", timeout=560)
     t.join(timeout=5)
     assert state.get("killed"), "the worker host was never killed"
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    records = [json.loads(l) for l in metrics.read_text().splitlines()]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert any(r.get("event") == "restart" for r in records)
     assert {r["step"] for r in records if "train/reward_mean" in r} >= set(range(1, 7))
 

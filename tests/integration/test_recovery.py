@@ -19,7 +19,7 @@ def _kill_worker_when(out, step: int, killed: list) -> None:
     metrics = out / "metrics.jsonl"
     while time.time() < deadline and not killed:
         if metrics.exists():
-            steps = [json.loads(l).get("step", 0) for l in metrics.read_text().splitlines() if "train/" in l]
+            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if "train/" in line]
             if steps and max(steps) >= step:
                 for p in psutil.process_iter(["pid", "cmdline"]):
                     if "ray::_RayWorker" in " ".join(p.info["cmdline"] or []) and p.info["pid"] != os.getpid():

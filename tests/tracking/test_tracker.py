@@ -11,7 +11,7 @@ def test_jsonl_tensorboard_and_missing_wandb_key(tmp_path, monkeypatch, capsys):
     t.log(1, {"train/reward_mean": 0.5, "val/reward_mean": 0.25})
     t.event(1, "restart", attempt=1)
     t.close()
-    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[0] == {"step": 1, "train/reward_mean": 0.5, "val/reward_mean": 0.25}
     assert lines[1]["event"] == "restart" and lines[1]["attempt"] == 1
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -5,8 +5,9 @@ from fleetrl.workers.messages import UpdateMetrics
 
 
 def test_update_metrics_sum_shares_and_keep_rank0_norms():
-    ranks = [UpdateMetrics.of({"actor/pg_loss": 0.25, "actor/clip_frac": 0.1}, {"actor/grad_norm": 2.0, "actor/lr": 1e-3}),
-             UpdateMetrics.of({"actor/pg_loss": 0.5, "actor/clip_frac": 0.3}, {"actor/grad_norm": 2.0, "actor/lr": 1e-3})]
+    same = {"actor/grad_norm": 2.0, "actor/lr": 1e-3}
+    ranks = [UpdateMetrics.of({"actor/pg_loss": 0.25, "actor/clip_frac": 0.1}, same),
+             UpdateMetrics.of({"actor/pg_loss": 0.5, "actor/clip_frac": 0.3}, same)]
     out = UpdateMetrics.reduce(ranks)
     # shares add (0.25 + 0.5, 0.1 + 0.3); grad norm and lr are equal on every rank and taken once
     assert out == pytest.approx({"actor/pg_loss": 0.75, "actor/clip_frac": 0.4, "actor/grad_norm": 2.0,

@@ -1,0 +1,130 @@
+"""The trainer's phases one by one on the local backend (tiny model, 4 prompts × 2 samples)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fleetrl.config import derive_plan, load_config, to_dict
+from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.trainer import SEQ_KEYS, Trainer
+from fleetrl.workers.messages import GenerateRequest, UpdateSpec
+from fleetrl.workers.worker import Worker
+
+COMMON = ["cluster.backend=local", "data.prompts_per_step=4", "rollout.n=2", "algorithm.micro_batch_size=8",
+          "trainer.total_steps=2", "tracking.progress=false", "tracking.console=false"]
+
+
+def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
+    cfg = load_config("examples/quickstart.yaml", [*COMMON, *overrides, f"trainer.output_dir={tmp_path}"])
+    plan = derive_plan(cfg)
+    trainer = Trainer(plan, Tracker(tmp_path, cfg.tracking, to_dict(cfg), cfg.trainer.name), tmp_path)
+    trainer.build_groups()
+    return trainer
+
+
+@pytest.fixture
+def on_policy(tmp_path: Path):
+    # KL in the reward needs a reference; 1 mini-batch and 1 epoch: no recompute pass.
+    t = _trainer(tmp_path, "algorithm.kl.placement=reward")
+    yield t
+    t.shutdown()
+    t.tracker.close()
+
+
+@pytest.fixture
+def recomputed(tmp_path: Path):
+    t = _trainer(tmp_path, "algorithm.kl.placement=reward", "algorithm.mini_batch_prompts=2")
+    yield t
+    t.shutdown()
+    t.tracker.close()
+
+
+def _spy_requests(trainer: Trainer) -> list[GenerateRequest]:
+    group = trainer.group("rollout")
+    real, seen = group.call_split, []
+
+    def spy(method, batch, *args, **kwargs):
+        seen.extend(a for a in args if isinstance(a, GenerateRequest))
+        return real(method, batch, *args, **kwargs)
+
+    group.call_split = spy  # type: ignore[method-assign]
+    return seen
+
+
+def _spy_updates(trainer: Trainer) -> list[tuple[list, UpdateSpec]]:
+    group = trainer.group("actor")
+    real, seen = group.call_parts, []
+
+    def spy(method, parts, spec, **kwargs):
+        seen.append((parts, spec))
+        return real(method, parts, spec, **kwargs)
+
+    group.call_parts = spy  # type: ignore[method-assign]
+    return seen
+
+
+def test_each_phase_adds_its_keys_on_policy(on_policy: Trainer):
+    t = on_policy
+    assert not t.plan.recompute_logprobs and t.plan.use_ref and not t.plan.use_critic
+    t.progress.step, t.progress.weights_version = 3, 2
+    t.group("rollout").call_all(Worker.mark_weights_version, 2)
+    requests = _spy_requests(t)
+    prompts = t.train_feed.next_batch(4)
+    batch = t.generate(prompts)
+    assert requests == [GenerateRequest(purpose="generate", step=3, temperature=1.0, min_weights_version=2)]
+    assert len(batch) == 8 and batch["group"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert {"responses", "response_mask", "rollout_logprobs"} <= set(batch.tensors)
+    before = set(batch.tensors)
+    batch = t.score(batch)
+    assert set(batch.tensors) - before == {"scores"} and "reward_stats" in batch.meta
+    batch = t.logprobs(batch)
+    # On-policy: only the reference pass runs; the rollout's log-probs stand for the policy's.
+    assert set(batch.tensors) - before == {"scores", "ref_logprobs"}
+    assert t.values(batch) is batch  # no critic: nothing to add
+    batch = t.advantages(batch)
+    assert set(batch.tensors) - before == {"scores", "ref_logprobs", "advantages", "returns"}
+    sent = _spy_updates(t)
+    metrics = t.update(batch)
+    [(parts, spec)] = sent
+    # On-policy: the update uses its own detached log-probs; no old_logprobs cross to the worker.
+    assert spec.old_logprobs == "current" and len(spec.minis) == 1
+    assert set(parts[0].tensors) == set(SEQ_KEYS) | {"advantages", "rollout_logprobs"}
+    assert "train/entropy" in metrics and "train/rollout_logprob_diff_mean" in metrics
+    assert "train/actor/pg_loss" in metrics and "train/actor/grad_norm" in metrics
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_kl_uses_rollout_logprobs_when_not_recomputed(on_policy: Trainer):
+    t = on_policy
+    batch = t.score(t.generate(t.train_feed.next_batch(4)))
+    batch = t.logprobs(batch)
+    assert "old_logprobs" not in batch
+    # k3 with logp = 0 and ref = -ln 2: log r = -ln 2, r = 0.5, KL = r - 1 - log r = ln 2 - 0.5 on every token.
+    shape = batch["response_mask"].shape
+    batch = batch.with_tensors(rollout_logprobs=torch.zeros(shape), ref_logprobs=torch.full(shape, -math.log(2)))
+    t.advantages(batch)
+    assert batch.meta["kl"] == pytest.approx(math.log(2) - 0.5, rel=1e-6)
+
+
+def test_recompute_pass_adds_old_logprobs_and_the_kl_uses_them(recomputed: Trainer):
+    t = recomputed
+    assert t.plan.recompute_logprobs and t.plan.num_mini_batches == 2
+    batch = t.score(t.generate(t.train_feed.next_batch(4)))
+    batch = t.logprobs(batch)
+    assert {"old_logprobs", "entropy", "ref_logprobs"} <= set(batch.tensors)
+    shape = batch["response_mask"].shape
+    # old = 0, ref = -ln 2 as above; the rollout's log-probs (here -5) must not enter the KL.
+    kl_batch = batch.with_tensors(old_logprobs=torch.zeros(shape), rollout_logprobs=torch.full(shape, -5.0),
+                                  ref_logprobs=torch.full(shape, -math.log(2)))
+    t.advantages(kl_batch)
+    assert kl_batch.meta["kl"] == pytest.approx(math.log(2) - 0.5, rel=1e-6)
+    sent = _spy_updates(t)
+    metrics = t.update(t.advantages(batch))
+    # The recompute pass measured the entropy (trainer/metrics.py); the update does not report it again.
+    assert "train/entropy" not in metrics and "train/actor/pg_loss" in metrics
+    [(parts, spec)] = sent
+    assert spec.old_logprobs == "recomputed" and len(spec.minis) == 2
+    assert set(parts[0].tensors) == set(SEQ_KEYS) | {"advantages", "rollout_logprobs", "old_logprobs"}
