@@ -12,6 +12,7 @@ import pytest
 
 from tests.integration.helpers import read_metrics, train_run
 
+pytestmark = pytest.mark.slow  # every test runs `fleetrl train` in a subprocess (~8 s each on 2 cores)
 REPO = Path(__file__).resolve().parents[2]
 QUICK = (f"{REPO}/examples/quickstart.yaml", "cluster.backend=local", "trainer.total_steps=2", "data.prompts_per_step=8",
          "trainer.val_every=0", "trainer.val_before_train=false", "tracking.progress=false", "tracking.console=false")
