@@ -115,7 +115,35 @@ def attention_implementation(model: nn.Module, name: str | None) -> Iterator[Non
         config._attn_implementation = old
 
 
-def packed_token_slots(prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor) -> tuple[int, int]:
-    """(real tokens, token slots a padded forward of this micro-batch computes): padding waste bookkeeping."""
+def padded_token_slots(prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor) -> tuple[int, int]:
+    """(real tokens, token slots a padded forward of this (trimmed) micro-batch computes)."""
     real = int(prompt_mask_BP.sum() + response_mask_BR.sum())
     return real, int(prompt_mask_BP.numel() + response_mask_BR.numel())
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedForward:
+    """The packed-forward settings of a role (from the Plan and actor config), callable on a micro-batch."""
+
+    max_tokens: int
+    fused_chunk: int | None = None
+    attention: str | None = None  # None = the model's own implementation
+
+    @staticmethod
+    def choose_attention(name: str, device: torch.device) -> str | None:
+        """`auto`: flex_attention on GPU (block-sparse, real tokens only), the model's own elsewhere."""
+        if name != "auto":
+            return name
+        return "flex_attention" if device.type == "cuda" else None
+
+    def __call__(self, model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
+                 responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float,
+                 return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return packed_logprobs(model, prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR,
+                               temperature=temperature, return_entropy=return_entropy, fused_chunk=self.fused_chunk,
+                               attention=self.attention)
+
+    def token_slots(self, prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor) -> tuple[int, int]:
+        """(real tokens, token slots the packed forward computes: real rounded up to PACK_ALIGN)."""
+        real = int(prompt_mask_BP.sum() + response_mask_BR.sum())
+        return real, real + (-real) % PACK_ALIGN

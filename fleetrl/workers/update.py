@@ -7,14 +7,14 @@ import torch
 
 from fleetrl.batch import Batch
 from fleetrl.engines.training import TrainingEngine
-from fleetrl.workers.layout import micro_batches, rank_minis
+from fleetrl.workers.layout import rank_minis, update_micro_batches
 from fleetrl.workers.messages import MiniBatchCounts, UpdateMetrics, UpdateSpec
 
 LossFn = Callable[[Batch, MiniBatchCounts], tuple[torch.Tensor, dict[str, float]]]
 
 
 def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs: int, micro_batch_size: int,
-               loss_fn: LossFn, prefix: str) -> UpdateMetrics:
+               loss_fn: LossFn, prefix: str, micro_batch_tokens: int | None = None) -> UpdateMetrics:
     """`batch` is this rank's share of every mini-batch in mini-batch order (workers/layout.py); `spec.minis`
     holds each mini-batch's GLOBAL counts, so losses are normalised as for the full batch.
 
@@ -27,7 +27,7 @@ def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs
     sums: dict[str, float] = {}
     for _ in range(epochs):
         for mini, counts in zip(minis, spec.minis):
-            metrics = engine.step(iter(micro_batches(mini, micro_batch_size)), lambda mb, c=counts: loss_fn(mb, c))
+            metrics = engine.step(iter(update_micro_batches(mini, micro_batch_size, micro_batch_tokens)), lambda mb, c=counts: loss_fn(mb, c))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
     steps = len(spec.minis) * epochs
