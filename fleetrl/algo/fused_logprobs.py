@@ -58,8 +58,9 @@ class _FusedLogprobs(torch.autograd.Function):
             z = _chunk_logits(hidden_NH[s:s + chunk], w, temperature, compute)
             lse = torch.logsumexp(z, dim=-1)
             logp[s:s + chunk] = z.gather(-1, tgt[s:s + chunk, None]).squeeze(-1) - lse
-            if with_entropy:
-                ent[s:s + chunk] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if with_entropy:  # H = lse - sum_j p_j z_j, the sum as a batched dot product (no [c, V] product)
+                p = (z - lse[:, None]).exp_()
+                ent[s:s + chunk] = lse - torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
         ctx.save_for_backward(hidden_NH, weight_VH, tgt, ent)
         ctx.cfg = (temperature, chunk, compute, with_entropy)
         return logp, ent
@@ -75,15 +76,18 @@ class _FusedLogprobs(torch.autograd.Function):
         g_logp = g_logp.float() if g_logp is not None else torch.zeros_like(ent)
         for s in range(0, hidden_NH.shape[0], chunk):
             h = hidden_NH[s:s + chunk]
+            # dL/dz = g_logp (onehot - p) - g_H p (log p + H), built in z's buffer: two [c, V] fp32 alive
             z = _chunk_logits(h, w, temperature, compute)
-            logp_all = torch.log_softmax(z, dim=-1)
-            p = logp_all.exp()
-            # dL/dz = g_logp (onehot - p) - g_H p (log p + H), built in place in p's buffer
-            g_z = p * (-g_logp[s:s + chunk, None])
+            z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # z is log p now
+            p = z.exp()
             if with_entropy and g_ent is not None:
-                g_z -= g_ent[s:s + chunk, None].float() * p * (logp_all + ent[s:s + chunk, None])
+                z.add_(ent[s:s + chunk, None]).mul_(p).mul_(-g_ent[s:s + chunk, None].float())
+            else:
+                z.zero_()
+            g_z = z.addcmul_(p, g_logp[s:s + chunk, None], value=-1.0)
+            del p
             g_z.scatter_add_(-1, tgt[s:s + chunk, None], g_logp[s:s + chunk, None])
-            g_z = (g_z / temperature).to(compute)
+            g_z = g_z.div_(temperature).to(compute)
             if need_h:
                 grad_h[s:s + chunk] = (g_z @ w).to(hidden_NH.dtype)
             if need_w:
