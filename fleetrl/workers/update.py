@@ -21,7 +21,8 @@ def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs
     loss_fn returns (loss, metrics); its metrics carry their final names (the controller only adds `train/`)
     and are shares of global means (summed over micro-batches here and over ranks by the controller). Returns
     the means over optimiser steps, plus `{prefix}/grad_norm` and `/lr` (equal on all ranks) and the count of
-    skipped (non-finite) updates.
+    skipped (non-finite) updates. Micro-batches hold `micro_batch_size` samples, or at most `micro_batch_tokens`
+    real tokens when that is set (packed forwards); either way every row of a mini-batch is in exactly one.
     """
     minis = rank_minis(batch, len(spec.minis))
     sums: dict[str, float] = {}
