@@ -1,6 +1,6 @@
 """GPU check of the packed forward + fused log-probs against the padded path (issue: speed on GPU).
 
-    PYTHONPATH=. python bench/check_packed.py [--shape qwen2.5-0.5b] [--samples 32] [--out DIR]
+    PYTHONPATH=. python bench/check_packed.py [--shape qwen2.5-0.5b] [--samples 32] [--out DIR ($OUT)]
 
 1. Correctness, fp32 (TF32 off), 8 long-tailed samples: log-probs, entropy and every gradient of the packed
    forward (flex attention, fused chunked LM head) against `sequence_logprobs` on the padded layout (sdpa).
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-0.5b")
     ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     result = {"bench": "check_packed", "device": torch.cuda.get_device_name(0), "shape": args.shape,
               "date": time.strftime("%Y-%m-%d"), **correctness(args.shape)}
@@ -90,6 +92,8 @@ def main() -> None:
     for k, v in result.items():
         print(f"{k:>24}: {v}")
     print("RESULT " + json.dumps(result))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "check_packed.json").write_text(json.dumps(result, indent=1))
     ok = result["logp_max_abs_diff"] < 1e-3 and result["grad_max_rel_diff"] < 1e-3
     sys.exit(0 if ok else 1)
 

@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 packed longtail
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -34,13 +34,15 @@ for p in $PARTS; do case $p in
     run e2e2_fsdp2 150 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 5 --tag _fsdp2 \
       --out "$OUT" actor.sharding=fsdp2
  ;;
+  check) run check_packed 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/check_packed.py ;;  # packed+fused == padded
   packed)  # fixed-length workload, packed token-budget micro-batches + fused log-probs (flex attention)
     run e2e1_packed 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 --tag _packed \
       --out "$OUT" algorithm.micro_batch_tokens=16384 actor.fused_logprob_chunk=4096 ;;
-  longtail)  # long-tailed lengths (mean 300, max 1024): padded (today's path) vs packed + fused
-    run e2e1_longtail_padded 280 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
-      --lengths longtail --tag _longtail_padded --out "$OUT" algorithm.micro_batch_size=16 actor.logprob_chunk=512
-    run e2e1_longtail_packed 280 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
+  ltpadded)  # long-tailed lengths (mean 300, max 1024), today's padded path
+    run e2e1_longtail_padded 250 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
+      --lengths longtail --tag _longtail_padded --out "$OUT" algorithm.micro_batch_size=16 actor.logprob_chunk=512 ;;
+  ltpacked)  # long-tailed lengths, packed + fused
+    run e2e1_longtail_packed 250 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
       --lengths longtail --tag _longtail_packed --out "$OUT" algorithm.micro_batch_tokens=16384 actor.fused_logprob_chunk=4096 ;;
   trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
 esac; done
