@@ -7,8 +7,8 @@ Weak scaling: each GPU gets the single-GPU workload (32 prompts × 8 samples × 
 Qwen2.5-0.5B shape); scaling efficiency at G GPUs = tokens/s/GPU(G) / tokens/s/GPU(1).
 tokens/s/GPU = (prompt + response tokens of the step) / step time / GPUs.
 
---lengths longtail: responses stop at a per-sample length drawn from a seeded lognormal (mean --mean-len,
-at most --max-len new tokens; bench/longtail.py documents the rule); local backend only (1 GPU).
+--lengths longtail: responses stop at a per-sample length drawn from a seeded lognormal (mean 300 after
+clipping at --max-len 1024 new tokens; bench/longtail.py documents the rule); local backend only (1 GPU).
 Reported besides: padding waste = 1 - real tokens / token slots of the actor update's forwards (a padded
 micro-batch computes B × (longest prompt + longest response) slots, a packed one its real tokens rounded up
 to 128); update MFU = (6·N·tokens + 12·L·H_attn·Σ len²) / update time / dense bf16 peak (bench/README.md);
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--config", default="bench/e2e_grpo.yaml")
     ap.add_argument("--lengths", choices=("fixed", "longtail"), default="fixed")
-    ap.add_argument("--mean-len", type=float, default=300.0)
+    ap.add_argument("--mean-len", type=float, default=335.0, help="lognormal mean before clipping (335: 300 after)")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench"))
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (for variants)")
