@@ -85,8 +85,7 @@ def test_cpu_threads_are_the_whole_cpu_share():
 def test_summary_lists_every_derived_number():
     s = _plan("data.prompts_per_step=8", "rollout.n=4").summary()
     assert set(s) == {"roles", "pools", "samples_per_step", "mini_batch_samples", "num_mini_batches",
-                      "micro_batch_size_per_rank", "use_critic", "use_ref", "rollout_colocated", "recompute_logprobs",
-                      "kl_into_score", "rollout_correction",
+                      "micro_batch_size_per_rank", "micro_batch_tokens", "use_critic", "use_ref", "rollout_colocated", "recompute_logprobs",
                       "total_steps", "actor_optimizer_steps", "critic_optimizer_steps", "rollout_engine",
                       "val_batch_prompts", "kl_into_score", "rollout_correction"}
     assert s["samples_per_step"] == 32 and s["roles"]["actor"] == "main (dp=1)"
