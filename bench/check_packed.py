@@ -80,6 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     result = {"bench": "check_packed", "device": torch.cuda.get_device_name(0), "shape": args.shape,
               "date": time.strftime("%Y-%m-%d"), **correctness(args.shape)}
+    print("correctness " + json.dumps(result), flush=True)  # printed before the timing, which may run out of memory
     torch.backends.cuda.matmul.allow_tf32 = True
     model = random_model(f"random:{args.shape}", torch.float32).cuda().train()
     batch = make_batch(args.samples, model.config.vocab_size, seed=2)

@@ -34,7 +34,7 @@ for p in $PARTS; do case $p in
     run e2e2_fsdp2 150 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 5 --tag _fsdp2 \
       --out "$OUT" actor.sharding=fsdp2
  ;;
-  check) run check_packed 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/check_packed.py ;;  # packed+fused == padded
+  check) run check_packed 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/check_packed.py --samples 16 ;;  # packed+fused == padded
   packed)  # fixed-length workload, packed token-budget micro-batches + fused log-probs (flex attention)
     run e2e1_packed 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 --tag _packed \
       --out "$OUT" algorithm.micro_batch_tokens=16384 actor.fused_logprob_chunk=4096 ;;
