@@ -65,17 +65,18 @@ def pack(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, responses_BR: t
 def packed_logprobs(model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                     responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float = 1.0,
                     return_entropy: bool = False, fused_chunk: int | None = None,
-                    attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    attention: str | None = None, align: int = PACK_ALIGN) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `sequence_logprobs` ([B, R] fp32 log-probs and entropy, 0 where masked), from one packed forward.
 
     fused_chunk: tokens per chunk of the fused projection + log-softmax (algo/fused_logprobs.py); None = the
     LM head over all M response tokens at once. attention: the transformers attention implementation for this
-    forward (None = the model's own; packing needs eager, sdpa or flex_attention).
+    forward (None = the model's own; packing needs eager, sdpa or flex_attention). align: the row is padded to a
+    multiple of it.
     """
     if temperature <= 0:
         raise ValueError(f"packed_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "packed_logprobs")
-    pk = pack(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
+    pk = pack(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, align=align)
     from fleetrl.models.value_head import backbone_of  # local import: value_head imports models.logprobs
 
     with attention_implementation(model, attention):
@@ -141,9 +142,19 @@ class PackedForward:
                  return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return packed_logprobs(model, prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR,
                                temperature=temperature, return_entropy=return_entropy, fused_chunk=self.fused_chunk,
-                               attention=self.attention)
+                               attention=self.attention, align=self.row_align)
+
+    @property
+    def row_align(self) -> int:
+        """flex_attention compiles a kernel (and its block mask) per row length, ~tens of seconds each on an H200:
+        measured, a 6-step e2e with rows rounded to 128 was still compiling after 240 s. So with flex every row is
+        padded to the budget itself (one shape; an oversized single sample takes a multiple of it), trading the
+        unfilled tail of the last micro-batch for a single compile. Elsewhere rows round up to PACK_ALIGN."""
+        if self.attention == "flex_attention":
+            return -(-self.max_tokens // PACK_ALIGN) * PACK_ALIGN
+        return PACK_ALIGN
 
     def token_slots(self, prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor) -> tuple[int, int]:
-        """(real tokens, token slots the packed forward computes: real rounded up to PACK_ALIGN)."""
+        """(real tokens, token slots the packed forward computes: real rounded up to `row_align`)."""
         real = int(prompt_mask_BP.sum() + response_mask_BR.sum())
-        return real, real + (-real) % PACK_ALIGN
+        return real, real + (-real) % self.row_align
