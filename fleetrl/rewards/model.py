@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
+from fleetrl.config.reward_model import RewardModelConfig
 from fleetrl.models import tiny
 from fleetrl.models.hf import DTYPES, TINY_PREFIX, _from_pretrained, _parse_tiny, _resolve, load_tokenizer
 
@@ -108,3 +109,32 @@ class ScalarRewardModel:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
             out.append(logits[:, 0].float().cpu())
         return torch.cat(out) if out else torch.zeros(0)
+
+
+def build_scorer(cfg: RewardModelConfig, device: torch.device):  # noqa: ANN201 (ScalarRewardModel | JudgeRewardModel)
+    """The scorer `cfg.kind` names, loaded on `device` (the reward_model role and `fleetrl serve-reward --model`)."""
+    tokenizer = load_rm_tokenizer(cfg.tokenizer or cfg.path, trust_remote_code=cfg.trust_remote_code)
+    if cfg.kind == "judge":
+        from fleetrl.models.hf import load_causal_lm
+        from fleetrl.rewards.judge import JudgeRewardModel
+
+        model = load_causal_lm(cfg.path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+        return JudgeRewardModel(model, tokenizer, template=cfg.template, max_length=cfg.max_length,
+                                max_new_tokens=cfg.max_new_tokens, micro_batch_size=cfg.micro_batch_size,
+                                score_scale=cfg.score_scale, failed_score=cfg.failed_score, device=device)
+    model = load_scalar_rm(cfg.path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    return ScalarRewardModel(model, tokenizer, max_length=cfg.max_length, micro_batch_size=cfg.micro_batch_size,
+                             device=device)
+
+
+def score_texts(scorer, prompts: list, responses: list[str]) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """[B] scores and [B] float 0/1: the judge's verdict could not be parsed (always 0 for a scalar RM)."""
+    out = scorer.score(prompts, responses)
+    if isinstance(out, tuple):  # a judge also says which verdicts it could not parse
+        return out[0], out[1].float()
+    return out, torch.zeros(len(out))
+
+
+def pick_device() -> torch.device:
+    """The first GPU when there is one (a reward server started outside Ray), else CPU."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

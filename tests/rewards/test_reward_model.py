@@ -5,8 +5,14 @@ import torch
 from fleetrl.config.reward_model import RewardModelConfig
 from fleetrl.models.tiny import build_tiny_tokenizer
 from fleetrl.rewards.judge import fill_template, parse_verdict
-from fleetrl.rewards.model import ScalarRewardModel, encode_pairs, load_scalar_rm, render_pair
-from fleetrl.workers.reward_model import build_scorer, score_texts
+from fleetrl.rewards.model import (
+    ScalarRewardModel,
+    build_scorer,
+    encode_pairs,
+    load_scalar_rm,
+    render_pair,
+    score_texts,
+)
 
 PROMPT = [{"role": "user", "content": "copy a b 7 ="}]
 
