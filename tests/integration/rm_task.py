@@ -1,5 +1,5 @@
 """A tiny scalar-head reward model trained in seconds to prefer correct answers of the synthetic copy task
-(`copy a b 7 =` -> `7 ...`), saved as an HF folder that `rewards.model.path` loads like any checkpoint."""
+(`copy a b 7 =` -> `7`), saved as an HF folder that `rewards.model.path` loads like any checkpoint."""
 from __future__ import annotations
 
 import random
@@ -8,20 +8,21 @@ from pathlib import Path
 import torch
 
 from fleetrl.data.tasks import copy_task
-from fleetrl.models.tiny import build_tiny_tokenizer
+from fleetrl.models.tiny import DEFAULT_WORDS, build_tiny_tokenizer
 from fleetrl.rewards.model import build_tiny_rm, encode_pairs, render_pair
 
-_WORDS = [str(d) for d in range(10)] + list("abcdefghijklmnopqrstuvwxyz") + ["=", "copy", "?"]
+_WORDS = [*DEFAULT_WORDS, ""]  # digits first
 
 
-def _pair(row: dict, rng: random.Random, tok) -> tuple[str, float]:  # noqa: ANN001
-    """Half the pairs answer correctly (the ground-truth digit first), half with another word first; both get
-    0-3 random trailing words, as a policy's 4-token responses have."""
+def _pair(row: dict, rng: random.Random, tok, hard: float = 0.5) -> tuple[str, float]:  # noqa: ANN001
+    """A one-word answer (the learning test samples one token): right half the time, else a wrong digit with
+    probability `hard` (an RM that only checks "a digit" is what a policy learns to exploit), else any other
+    word or nothing (special tokens decode to "")."""
     gt = row["reward_model"]["ground_truth"]
-    good = rng.random() < 0.5
-    first = gt if good else rng.choice([w for w in _WORDS if w != gt])
-    tail = [rng.choice(_WORDS) for _ in range(rng.randrange(4))]
-    return render_pair(tok, row["prompt"], " ".join([first, *tail])), float(good)
+    if rng.random() < 0.5:
+        return render_pair(tok, row["prompt"], gt), 1.0
+    wrong = [w for w in (_WORDS[:10] if rng.random() < hard else _WORDS) if w != gt]
+    return render_pair(tok, row["prompt"], rng.choice(wrong)), 0.0
 
 
 def _logits(rm: torch.nn.Module, tok, texts: list[str]) -> torch.Tensor:  # noqa: ANN001
@@ -29,8 +30,9 @@ def _logits(rm: torch.nn.Module, tok, texts: list[str]) -> torch.Tensor:  # noqa
     return rm(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 0]
 
 
-def train_copy_rm(out: Path, *, steps: int = 200, seed: int = 0) -> tuple[Path, float]:
-    """Trains with BCE on balanced good/bad pairs; returns the saved folder and held-out pairwise accuracy."""
+def train_copy_rm(out: Path, *, steps: int = 700, seed: int = 0) -> tuple[Path, float]:
+    """Trains with BCE on balanced good/bad pairs; returns the saved folder and the accuracy on held-out prompts
+    against wrong-digit answers (the hard case)."""
     tok = build_tiny_tokenizer()
     rm = build_tiny_rm(hidden_size=64, seed=seed).train()
     rng = random.Random(seed)
@@ -44,7 +46,7 @@ def train_copy_rm(out: Path, *, steps: int = 200, seed: int = 0) -> tuple[Path, 
         loss.backward()
         opt.step()
     rm.eval()
-    held_out = [_pair(r, rng, tok) for r in copy_task(n=200, split="val")]
+    held_out = [_pair(r, rng, tok, hard=1.0) for r in copy_task(n=200, split="val")]  # wrong digits only
     with torch.no_grad():
         pred = _logits(rm, tok, [t for t, _ in held_out]) > 0
     accuracy = float((pred == torch.tensor([y > 0 for _, y in held_out])).float().mean())

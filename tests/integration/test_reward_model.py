@@ -21,6 +21,9 @@ def placed(rm_path: str) -> list[str]:
         "cluster.roles={actor: policy, rollout: gen, reward_model: rm}",
         f"rewards.model={{path: '{rm_path}', max_length: 64, micro_batch_size: 64}}",
         "rewards.combine={default: {rule: 0, model: 1}}",
+        # One-token answers: the RM was trained on those. With longer ones this tiny RM (which must find where
+        # the answer starts) is exploitable, and the policy learns to raise RM scores without answering right.
+        "rollout.max_new_tokens=1",
     ]
 
 
@@ -45,7 +48,7 @@ def three_nodes():
 @pytest.fixture(scope="module")
 def copy_rm(tmp_path_factory):
     path, accuracy = train_copy_rm(tmp_path_factory.mktemp("rm"))
-    assert accuracy > 0.9, f"the test's reward model reached only {accuracy:.2f} held-out accuracy"
+    assert accuracy > 0.95, f"the test's reward model reached only {accuracy:.2f} held-out accuracy"
     return str(path)
 
 
