@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
+from fleetrl import heartbeat
 from fleetrl.config.reward_model import RewardModelConfig
 from fleetrl.models import tiny
 from fleetrl.models.hf import DTYPES, TINY_PREFIX, _from_pretrained, _parse_tiny, _resolve, load_tokenizer
@@ -104,6 +105,7 @@ class ScalarRewardModel:
         texts = [render_pair(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
         out = []
         for i in range(0, len(texts), self.micro):
+            heartbeat.beat()  # progress for the watchdog's stall check (cluster.stall_s)
             ids, mask = encode_pairs(self.tokenizer, texts[i:i + self.micro], self.max_length, self.device)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at each row's first token
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
