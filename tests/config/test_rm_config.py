@@ -75,3 +75,9 @@ def test_unknown_kind_names_the_choices():
 def test_unknown_rm_pool_names_the_pools():
     with pytest.raises(ConfigError, match="cluster.roles.reward_model: unknown pool 'rmpool'"):
         plan(RM, "cluster.roles={actor: main, reward_model: rmpool}")
+
+
+def test_colocated_with_the_critic():
+    p = plan(RM, "algorithm.advantage=gae", "cluster.pools={main: {}, side: {}}",
+             "cluster.roles={actor: main, rollout: main, critic: side, reward_model: side}")
+    assert p.pools["side"].roles == ("critic", "reward_model") and p.pools["main"].roles == ("actor", "rollout")
