@@ -19,11 +19,14 @@ def placed(rm_path: str) -> list[str]:
         " rm: {workers_per_node: 2, cpus_per_worker: 0.5, resources: {node_b: 0.1}},"
         " gen: {cpus_per_worker: 1, resources: {node_c: 0.1}}}",
         "cluster.roles={actor: policy, rollout: gen, reward_model: rm}",
-        f"rewards.model={{path: '{rm_path}', max_length: 64, micro_batch_size: 64}}",
+        f"rewards.model={{path: '{rm_path}', max_length: 64, micro_batch_size: 64, normalize: true}}",
         "rewards.combine={default: {rule: 0, model: 1}}",
         # One-token answers: the RM was trained on those. With longer ones this tiny RM (which must find where
         # the answer starts) is exploitable, and the policy learns to raise RM scores without answering right.
         "rollout.max_new_tokens=1",
+        # In a group whose answers are all wrong the RM scores differ only by its noise (-8.0 vs -8.3);
+        # dividing by the group's std would blow that noise up to unit advantages (docs/reward_models.md).
+        "algorithm.norm_adv_by_std=false",
     ]
 
 
@@ -73,5 +76,7 @@ def test_policy_learns_from_rm_scores_alone(tmp_path, three_nodes, copy_rm):
     assert curve[0] < 0.2, f"initial held-out success {curve[0]} should start below 20%"
     assert curve[-1] > 0.8, f"held-out success curve {curve} did not pass 80% training on RM scores alone"
     train = [r for r in records if "train/rm_score_mean" in r]
-    # RM-only: the trained-on reward is the RM's logit, not the 0/1 rule score.
-    assert all(r["train/reward_mean"] == pytest.approx(r["train/rm_score_mean"], abs=1e-5) for r in train)
+    # RM-only: the trained-on reward is the normalised RM logit, not the 0/1 rule score, and the raw RM score
+    # rises with the rule score it was trained to predict.
+    assert train[-1]["train/rm_score_mean"] > train[0]["train/rm_score_mean"] + 5
+    assert train[-1]["train/rule_score_mean"] > 0.8 and train[0]["train/rule_score_mean"] < 0.2
