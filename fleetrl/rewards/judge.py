@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fleetrl.engines.hf import HFRolloutEngine
 from fleetrl.engines.protocol import SamplingParams
-from fleetrl.rewards.model import Prompt, encode_pairs, prompt_text
+from fleetrl.rewards.model import Prompt, RMScores, encode_pairs, prompt_text
 
 _SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 
@@ -61,8 +61,8 @@ class JudgeRewardModel:
                     for r, m in zip(gen.responses, gen.response_mask)]
         return out
 
-    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B] scores and [B] bool: the verdict had no `score: N` (it then scores failed_score)."""
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> RMScores:
+        """Parsed verdicts × score_scale; failed_score where a verdict has no `score: N`."""
         parsed = [parse_verdict(v) for v in self.verdicts(prompts, responses)]
         scores = [self.failed if p is None else p * self.scale for p in parsed]
-        return torch.tensor(scores, dtype=torch.float32), torch.tensor([p is None for p in parsed])
+        return RMScores(torch.tensor(scores, dtype=torch.float32), torch.tensor([p is None for p in parsed]))

@@ -9,7 +9,7 @@ download.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
@@ -20,6 +20,21 @@ from fleetrl.models import tiny
 from fleetrl.models.hf import DTYPES, TINY_PREFIX, _from_pretrained, _parse_tiny, _resolve, load_tokenizer
 
 Prompt = str | Sequence[dict]  # raw text or a list of chat messages {role, content}
+
+
+class RMScores(NamedTuple):
+    """What every reward-model kind returns for B (prompt, response) pairs."""
+
+    scores_B: torch.Tensor
+    """[B] float32."""
+    unparsed_B: torch.Tensor
+    """[B] bool: a judge's verdict held no `score: N` and scored failed_score (always False for a scalar RM)."""
+
+
+class RewardModel(Protocol):
+    """A scalar RM or a judge (rewards/judge.py): B (prompt, response) pairs in, B scores out."""
+
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> RMScores: ...
 
 
 def load_scalar_rm(path: str, *, dtype: str = "float32", trust_remote_code: bool = False) -> PreTrainedModel:
@@ -100,8 +115,8 @@ class ScalarRewardModel:
             self.model.config.pad_token_id = tokenizer.pad_token_id
 
     @torch.no_grad()
-    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
-        """[B] float32 logits, one per pair."""
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> RMScores:
+        """The logit of each pair."""
         texts = [render_pair(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
         out = []
         for i in range(0, len(texts), self.micro):
@@ -110,10 +125,11 @@ class ScalarRewardModel:
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at each row's first token
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
             out.append(logits[:, 0].float().cpu())
-        return torch.cat(out) if out else torch.zeros(0)
+        scores = torch.cat(out) if out else torch.zeros(0)
+        return RMScores(scores, torch.zeros(len(scores), dtype=torch.bool))
 
 
-def build_scorer(cfg: RewardModelConfig, device: torch.device):  # noqa: ANN201 (ScalarRewardModel | JudgeRewardModel)
+def build_scorer(cfg: RewardModelConfig, device: torch.device) -> RewardModel:
     """The scorer `cfg.kind` names, loaded on `device` (the reward_model role and `fleetrl serve-reward --model`)."""
     tokenizer = load_rm_tokenizer(cfg.tokenizer or cfg.path, trust_remote_code=cfg.trust_remote_code)
     if cfg.kind == "judge":
@@ -127,14 +143,6 @@ def build_scorer(cfg: RewardModelConfig, device: torch.device):  # noqa: ANN201 
     model = load_scalar_rm(cfg.path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     return ScalarRewardModel(model, tokenizer, max_length=cfg.max_length, micro_batch_size=cfg.micro_batch_size,
                              device=device)
-
-
-def score_texts(scorer, prompts: list, responses: list[str]) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
-    """[B] scores and [B] float 0/1: the judge's verdict could not be parsed (always 0 for a scalar RM)."""
-    out = scorer.score(prompts, responses)
-    if isinstance(out, tuple):  # a judge also says which verdicts it could not parse
-        return out[0], out[1].float()
-    return out, torch.zeros(len(out))
 
 
 def pick_device() -> torch.device:

@@ -171,12 +171,10 @@ class RewardServer:
                 "num_skipped": result.num_skipped, "errors": result.errors, "scorer": self.spec}
 
     def _score_model(self, batch: dict[str, Any]) -> dict[str, Any]:
-        from fleetrl.rewards.model import score_texts
-
         with self._lock:  # one forward at a time: the model is not re-entrant on one device
-            scores, unparsed = score_texts(self.rm, batch["prompts"], [str(r) for r in batch["responses"]])
-        return {"scores": scores.tolist(), "num_errors": 0, "num_timeouts": 0, "num_skipped": 0, "errors": [],
-                "num_unparsed": int(unparsed.sum()), "scorer": self.spec}
+            out = self.rm.score(batch["prompts"], [str(r) for r in batch["responses"]])
+        return {"scores": out.scores_B.tolist(), "num_errors": 0, "num_timeouts": 0, "num_skipped": 0, "errors": [],
+                "num_unparsed": int(out.unparsed_B.sum()), "scorer": self.spec}
 
     # ------------------------------------------------------------------------------------- connections
     def _accept(self, sel: selectors.BaseSelector, pending: dict) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fleetrl import heartbeat
 from fleetrl.batch import Batch
-from fleetrl.rewards.model import build_scorer, score_texts
+from fleetrl.rewards.model import build_scorer
 from fleetrl.workers.context import WorkerContext
 
 RM_PROMPT, RM_RESPONSE = "raw_prompt", "response_text"
@@ -21,5 +21,5 @@ class RewardModelComponent:
     def score(self, batch: Batch) -> Batch:
         """Batch with fields raw_prompt, response_text -> Batch({rm_scores [B], rm_unparsed [B] 0/1})."""
         heartbeat.beat()
-        scores, unparsed = score_texts(self.scorer, list(batch[RM_PROMPT]), [str(r) for r in batch[RM_RESPONSE]])
-        return Batch({"rm_scores": scores, "rm_unparsed": unparsed})
+        out = self.scorer.score(list(batch[RM_PROMPT]), [str(r) for r in batch[RM_RESPONSE]])
+        return Batch({"rm_scores": out.scores_B, "rm_unparsed": out.unparsed_B.float()})

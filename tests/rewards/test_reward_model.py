@@ -11,7 +11,6 @@ from fleetrl.rewards.model import (
     encode_pairs,
     load_scalar_rm,
     render_pair,
-    score_texts,
 )
 
 PROMPT = [{"role": "user", "content": "copy a b 7 ="}]
@@ -32,8 +31,9 @@ def test_encode_keeps_the_end_of_overlong_text():
 def test_scalar_scores_do_not_depend_on_batch_padding():
     tok = build_tiny_tokenizer()
     rm = ScalarRewardModel(load_scalar_rm("tiny:seed=3"), tok, max_length=64, micro_batch_size=4)
-    together = rm.score([PROMPT, PROMPT], ["7", "7 a b c"])
-    alone = rm.score([PROMPT], ["7"])
+    together, unparsed = rm.score([PROMPT, PROMPT], ["7", "7 a b c"])
+    alone = rm.score([PROMPT], ["7"]).scores_B
+    assert unparsed.tolist() == [False, False]
     assert together.shape == (2,) and together.dtype == torch.float32
     assert together[0].item() == pytest.approx(alone.item(), abs=1e-5)  # left padding is masked out
     assert together[0].item() != pytest.approx(together[1].item(), abs=1e-6)
@@ -71,10 +71,10 @@ def test_judge_runs_end_to_end_and_scores_its_parsed_verdicts():
     judge = build_scorer(cfg, torch.device("cpu"))
     prompts, responses = [PROMPT, PROMPT, PROMPT], ["7", "3", "7 a"]
     verdicts = judge.verdicts(prompts, responses)
-    scores, unparsed = score_texts(judge, prompts, responses)
+    scores, unparsed = judge.score(prompts, responses)
     parsed = [parse_verdict(v) for v in verdicts]
     assert scores.tolist() == [-1.0 if p is None else 0.5 * p for p in parsed]
-    assert unparsed.tolist() == [float(p is None) for p in parsed]
+    assert unparsed.tolist() == [p is None for p in parsed]
     assert judge.verdicts(prompts, responses) == verdicts  # greedy: the same verdicts again
 
 
@@ -102,6 +102,6 @@ def test_judge_verdict_becomes_the_scaled_score(tmp_path):
     cfg = RewardModelConfig(path=path, kind="judge", template="{prompt} ? {response}", max_new_tokens=4,
                             score_scale=0.5)
     judge = build_scorer(cfg, torch.device("cpu"))
-    scores, unparsed = score_texts(judge, [PROMPT, PROMPT], ["7", "3"])
+    scores, unparsed = judge.score([PROMPT, PROMPT], ["7", "3"])
     assert judge.verdicts([PROMPT], ["7"]) == ["score : 8"]
-    assert scores.tolist() == [4.0, 4.0] and unparsed.tolist() == [0.0, 0.0]  # 8 × score_scale 0.5
+    assert scores.tolist() == [4.0, 4.0] and unparsed.tolist() == [False, False]  # 8 × score_scale 0.5

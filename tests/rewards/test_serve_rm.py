@@ -29,7 +29,7 @@ def serving(**kw):
 
 
 def test_served_model_scores_like_the_local_one():
-    local = build_scorer(RM, torch.device("cpu")).score(PROMPTS, RESPONSES).tolist()
+    local = build_scorer(RM, torch.device("cpu")).score(PROMPTS, RESPONSES).scores_B.tolist()
     with serving(model=RM) as server:
         client = RemoteRewardClient([server.url])
         client.check_health()
