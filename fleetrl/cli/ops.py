@@ -231,7 +231,11 @@ def dstack(
 # ---------------------------------------------------------------------------------------------- rewards
 @_user_errors
 def serve_reward(
-    fn: str = typer.Option(..., "--fn", help="Scorer: path/to/file.py:fn or a builtin name."),
+    fn: str = typer.Option("", "--fn", help="Scorer: path/to/file.py:fn or a builtin name."),
+    model: Optional[str] = typer.Option(None, "--model", help="Serve a reward model instead of --fn: HF folder, hub "
+                                        "id or tiny:; bodies then carry `prompts` (docs/reward_models.md)."),
+    kind: str = typer.Option("scalar", "--kind", help="--model kind: scalar (sequence classifier) or judge."),
+    max_length: int = typer.Option(1024, "--max-length", help="--model: tokens of (prompt, response) read."),
     host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
     token_file: Optional[Path] = typer.Option(None, "--token-file", help="File holding the bearer token "
                                               "(default: FLEETRL_REWARD_TOKEN); required beyond loopback."),
@@ -243,10 +247,14 @@ def serve_reward(
     read_timeout: float = typer.Option(10.0, "--read-timeout", help="Seconds a client may take to send a request "
                                                                     "head, or stall while sending a body."),
 ) -> None:
-    """Serve a reward function over HTTP (GET /health, POST /score)."""
+    """Serve a reward function or a reward model over HTTP (GET /health, POST /score)."""
+    from fleetrl.config.load import build
+    from fleetrl.config.reward_model import RewardModelConfig
     from fleetrl.rewards.server import ServeOptions, resolve_token, serve
 
-    serve(ServeOptions(fn=fn, host=host, port=port, token=resolve_token(token, token_file),
+    rm = None if model is None else build(RewardModelConfig, {"path": model, "kind": kind, "max_length": max_length},
+                                          "--model")
+    serve(ServeOptions(fn=fn, model=rm, host=host, port=port, token=resolve_token(token, token_file),
                        max_body_bytes=max_body_bytes, timeout_s=timeout, max_connections=max_connections,
                        read_timeout_s=read_timeout))
 

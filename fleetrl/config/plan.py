@@ -15,7 +15,7 @@ from fleetrl.config.frozen import FrozenDict
 from fleetrl.config.load import ConfigError
 from fleetrl.config.schema import PoolConfig, RunConfig
 
-ROLES = ("actor", "rollout", "ref", "critic")
+ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
 # Estimators that compare samples of the same prompt need at least two of them.
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
 
@@ -149,7 +149,9 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     _check_sampling(cfg)
     use_critic = cfg.algorithm.advantage == "gae"
     use_ref = cfg.algorithm.kl.placement != "none"
-    active = [r for r in ROLES if (r != "critic" or use_critic) and (r != "ref" or use_ref)]
+    use_rm = cfg.rewards.model is not None  # the reward_model role exists only with rewards.model set
+    active = [r for r in ROLES if (r != "critic" or use_critic) and (r != "ref" or use_ref)
+              and (r != "reward_model" or use_rm)]
     roles = _map_roles(cfg, active)
     pools = {name: _pool_plan(name, pc, tuple(r for r in active if roles[r] == name))
              for name, pc in cfg.cluster.pools.items() if any(roles[r] == name for r in active)}
@@ -215,12 +217,17 @@ def _check_names(cfg: RunConfig) -> None:
     """Registry-backed names (the registry is their one list); Literal choices were checked by the loader."""
     from fleetrl.algo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
     from fleetrl.algo.correction import check_correction
+    from fleetrl.config.reward_model import check_reward_model
 
     a = cfg.algorithm
     _one_of("algorithm.advantage", a.advantage, ADVANTAGES.names())
     _one_of("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES.names())
     _one_of("algorithm.loss_agg", a.loss_agg, AGGREGATIONS.names())
     _one_of("algorithm.kl.estimator", a.kl.estimator, KL_ESTIMATORS.names())
+    check_reward_model(cfg.rewards)
+    if "reward_model" in cfg.cluster.roles and cfg.rewards.model is None:
+        raise ConfigError("cluster.roles.reward_model is set but rewards.model is not; set rewards.model.path "
+                          "or remove the role")
     if a.dual_clip is not None and a.dual_clip <= 1.0:
         raise ConfigError(f"algorithm.dual_clip must be > 1 (Ye et al. 2020 use 3), got {a.dual_clip}")
     if a.dual_clip is not None and a.policy_loss not in ("ppo", "gspo"):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from fleetrl.config.frozen import FrozenDict
+from fleetrl.config.reward_model import CombineWeights, RewardModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +225,10 @@ class RewardsConfig:
     (remote_retries + 1) × remote_timeout_s + the backoffs."""
     remote_backoff_s: float = 1.0
     """Backoff before retry k (k = 0, 1, ...): remote_backoff_s × 2**k."""
+    model: RewardModelConfig | None = None
+    """A neural reward model, placed as role `reward_model` (config/reward_model.py, docs/reward_models.md)."""
+    combine: Mapping[str, CombineWeights] = field(default_factory=FrozenDict)
+    """data_source (or `default`) -> {rule: W, model: W}; unlisted sources use rule 1 + model 1."""
 
 
 @dataclass(frozen=True, kw_only=True)

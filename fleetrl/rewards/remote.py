@@ -88,8 +88,9 @@ class RemoteRewardClient:
         return self.score_result(responses, ground_truths, data_sources, extra_infos).scores
 
     def score_result(self, responses: list[str], ground_truths: list, data_sources: list[str],
-                     extra_infos: list[dict]) -> RewardResult:
-        """Like score, with the servers' error and timeout counts: the same result as RewardRunner.score."""
+                     extra_infos: list[dict], prompts: list | None = None) -> RewardResult:
+        """Like score, with the servers' error and timeout counts: the same result as RewardRunner.score.
+        `prompts` (text or chat messages) go along for servers that host a reward model."""
         n = len(responses)
         if not (len(ground_truths) == len(data_sources) == len(extra_infos) == n):
             raise ValueError(f"RemoteRewardClient.score: lengths differ (responses {n}, ground_truths "
@@ -101,7 +102,8 @@ class RemoteRewardClient:
             first = next(self._turn) % len(self.urls)
         bounds = [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
         payloads = [{"responses": responses[a:b], "ground_truths": ground_truths[a:b],
-                     "data_sources": data_sources[a:b], "extra_infos": extra_infos[a:b]} for a, b in bounds]
+                     "data_sources": data_sources[a:b], "extra_infos": extra_infos[a:b],
+                     **({"prompts": prompts[a:b]} if prompts is not None else {})} for a, b in bounds]
         with ThreadPoolExecutor(max_workers=parts) as pool:
             replies = list(pool.map(self._send, payloads, [(first + i) % len(self.urls) for i in range(parts)]))
         result = _merge(replies, [p["data_sources"] for p in payloads])

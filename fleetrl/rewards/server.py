@@ -5,7 +5,9 @@
               -> {"scores": [...], "num_errors": N, "num_timeouts": N, "num_skipped": N, "errors": [...],
                   "scorer": SPEC}
 
-Scoring goes through the same RewardRunner as local rewards, so a stuck or crashing scorer costs one
+With `--model` the server hosts a reward model instead (config/reward_model.py; scalar head or judge) and
+scores (prompt, response): the body then needs `prompts` too (text or chat messages, one per response), which
+the trainer's client sends. Otherwise scoring goes through the same RewardRunner as local rewards, so a stuck or crashing scorer costs one
 sample's default score, never a hung request. Every route needs `Authorization: Bearer TOKEN` when a token
 is set, and a token is mandatory whenever the server listens beyond loopback. Bodies above
 `max_body_bytes` are refused with 413 before they are read.
@@ -35,6 +37,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+from fleetrl.config.reward_model import RewardModelConfig
 from fleetrl.rewards.registry import RewardRouter
 from fleetrl.rewards.runner import RewardRunner
 
@@ -47,8 +50,10 @@ _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: c
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServeOptions:
-    fn: str
+    fn: str = ""
     """Scorer spec: `path/to/file.py:fn` or a builtin name; it scores every data source."""
+    model: RewardModelConfig | None = None
+    """Serve this reward model instead of `fn`."""
     host: str = "127.0.0.1"
     port: int = 8000
     token: str | None = None
@@ -98,10 +103,18 @@ class RewardServer:
         if opts.max_connections < 1 or opts.max_pending < 1 or not opts.read_timeout_s > 0:
             raise ValueError(f"max_connections and max_pending must be >= 1 and read_timeout_s > 0; got "
                              f"{opts.max_connections}, {opts.max_pending}, {opts.read_timeout_s}")
-        # "*" routes every data source to this scorer (family defaults like "math" never apply).
-        self.runner = RewardRunner(RewardRouter({"*": opts.fn}), timeout_s=opts.timeout_s,
-                                   default_score=opts.default_score, num_workers=opts.num_workers)
+        if (opts.model is None) == (not opts.fn):
+            raise ValueError("give exactly one of --fn (a reward function) and --model (a reward model)")
+        self.rm, self.runner = None, None
+        if opts.model is not None:
+            from fleetrl.rewards.model import build_scorer, pick_device
+
+            self.rm = build_scorer(opts.model, pick_device())
+        else:  # "*" routes every data source to this scorer (family defaults like "math" never apply).
+            self.runner = RewardRunner(RewardRouter({"*": opts.fn}), timeout_s=opts.timeout_s,
+                                       default_score=opts.default_score, num_workers=opts.num_workers)
         self.opts = opts
+        self.spec = opts.fn or f"model:{opts.model.path}"
         self._lock = threading.Lock()  # one batch at a time through the runner; a batch runs in parallel
         self._slots = threading.BoundedSemaphore(opts.max_connections)
         self._handler = _handler_for(self)
@@ -146,13 +159,22 @@ class RewardServer:
         self._stopped.wait(timeout=10)
         for sock in (self._listener, self._wake_r, self._wake_w):
             sock.close()
-        self.runner.close()
+        if self.runner is not None:
+            self.runner.close()
 
     def score(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if self.rm is not None:
+            return self._score_model(batch)
         with self._lock:
             result = self.runner.score(*(batch[k] for k in FIELDS))
         return {"scores": result.scores, "num_errors": result.num_errors, "num_timeouts": result.num_timeouts,
-                "num_skipped": result.num_skipped, "errors": result.errors, "scorer": self.opts.fn}
+                "num_skipped": result.num_skipped, "errors": result.errors, "scorer": self.spec}
+
+    def _score_model(self, batch: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:  # one forward at a time: the model is not re-entrant on one device
+            out = self.rm.score(batch["prompts"], [str(r) for r in batch["responses"]])
+        return {"scores": out.scores_B.tolist(), "num_errors": 0, "num_timeouts": 0, "num_skipped": 0, "errors": [],
+                "num_unparsed": int(out.unparsed_B.sum()), "scorer": self.spec}
 
     # ------------------------------------------------------------------------------------- connections
     def _accept(self, sel: selectors.BaseSelector, pending: dict) -> None:
@@ -235,7 +257,7 @@ class _Prefixed(io.RawIOBase):
 def serve(opts: ServeOptions) -> None:
     """Runs the server until interrupted (the `fleetrl serve-reward` command)."""
     server = RewardServer(opts)
-    log.warning("serving %s at %s%s", opts.fn, server.url, " (token required)" if opts.token else "")
+    log.warning("serving %s at %s%s", server.spec, server.url, " (token required)" if opts.token else "")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -257,6 +279,10 @@ def validate_batch(batch: Any) -> dict[str, list]:
     if set(lengths.values()) != {n}:
         raise ValueError(f"fields must be lists of equal length; got {lengths}")
     out["extra_infos"] = [e or {} for e in out["extra_infos"]]
+    if batch.get("prompts") is not None:
+        if not isinstance(batch["prompts"], list) or len(batch["prompts"]) != n:
+            raise ValueError(f"'prompts' must be a list with one entry per response ({n})")
+        out["prompts"] = batch["prompts"]
     return out
 
 
@@ -282,7 +308,7 @@ def _handler_for(server: RewardServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self._authorized():
                 if self.path.rstrip("/") == "/health":
-                    self._reply(200, {"status": "ok", "scorer": server.opts.fn})
+                    self._reply(200, {"status": "ok", "scorer": server.spec})
                 else:
                     self._reply(404, {"error": f"no route GET {self.path}; use GET /health or POST /score"})
 
@@ -302,6 +328,9 @@ def _handler_for(server: RewardServer) -> type[BaseHTTPRequestHandler]:
                 batch = validate_batch(json.loads(self.rfile.read(int(length))))
             except (ValueError, UnicodeDecodeError) as e:
                 return self._reply(400, {"error": f"bad request: {e}"})
+            if server.rm is not None and "prompts" not in batch:
+                return self._reply(400, {"error": "bad request: this server hosts a reward model, which scores "
+                                                  "(prompt, response): send 'prompts' (one per response)"})
             try:
                 scored = server.score(batch)
             except Exception as e:  # the runner counts scorer failures; this is anything else

@@ -46,7 +46,15 @@ class RewardScorer:
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         texts = self.decode(batch)
         args = (texts, list(batch["ground_truth"]), list(batch["data_source"]), list(batch["extra_info"]))
-        result = self.remote.score_result(*args) if self.remote is not None else self.runner.score(*args)
+        if self.remote is not None:  # prompts too: the server may host a reward model (serve-reward --model)
+            result = self.remote.score_result(*args, prompts=_jsonable(batch["raw_prompt"]))
+        else:
+            result = self.runner.score(*args)
         stats = {"reward_errors": float(result.num_errors), "reward_timeouts": float(result.num_timeouts),
                  "reward_skipped": float(getattr(result, "num_skipped", 0))}
         return torch.tensor(result.scores, dtype=torch.float32), stats
+
+
+def _jsonable(prompts: Any) -> list:
+    """Prompts as plain JSON (chat messages may arrive as read-only mappings from the data pipeline)."""
+    return [p if isinstance(p, str) else [dict(m) for m in p] for p in prompts]

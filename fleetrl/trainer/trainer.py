@@ -55,6 +55,11 @@ class Trainer:
         kl = self.cfg.algorithm.kl
         self.kl_ctl = make_kl_controller(kl.controller, kl.coef, kl.target, kl.horizon)
         self.progress = Progress()
+        self.rm = None
+        if "reward_model" in plan.roles:
+            from fleetrl.trainer.rm import ModelRewards
+
+            self.rm = ModelRewards(self.cfg)
         self.groups: dict[str, WorkerGroup] = {}
         self.timings: dict[str, float] = {}
 
@@ -65,7 +70,7 @@ class Trainer:
     def state(self) -> dict:
         """What the controller checkpoints (each part saves itself: state_dict / load_state_dict)."""
         return {"progress": self.progress, "sampler": self.train_feed.sampler, "kl_ctl": self.kl_ctl,
-                "rng": RNGState()}
+                "rng": RNGState(), **(self.rm.state() if self.rm is not None else {})}
 
     # ------------------------------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -130,6 +135,8 @@ class Trainer:
     def score(self, batch: Batch) -> Batch:
         with self._timed("score"):
             scores, stats = self.scorer.score(batch)
+            if self.rm is not None:  # the reward_model role's scores, combined per data_source (trainer/rm.py)
+                scores = self.rm.score(batch, scores, self.scorer.decode(batch), self.group("reward_model"), stats)
             o = self.cfg.algorithm.overlong
             if o.buffer:  # DAPO soft overlong punishment, part of the score every later phase sees
                 penalty = overlong_penalty(batch["response_mask"].sum(1), max_len=self.cfg.rollout.max_new_tokens,

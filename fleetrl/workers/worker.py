@@ -27,7 +27,7 @@ class Worker:
     def __init__(self, ctx: WorkerContext) -> None:
         _drop_conflicting_env()
         self.ctx = ctx
-        self.actor = self.critic = self.ref = self.rollout = None
+        self.actor = self.critic = self.ref = self.rollout = self.reward_model = None
         self.bus = None  # weight bus to a separate rollout pool (only actor rank 0 and rollout workers join)
 
     def timed(self, method: str, *args):
@@ -91,6 +91,10 @@ class Worker:
             from fleetrl.workers.critic import CriticComponent
 
             self.critic = CriticComponent(ctx, info)
+        if "reward_model" in roles:
+            from fleetrl.workers.reward_model import RewardModelComponent
+
+            self.reward_model = RewardModelComponent(ctx)
 
     # ------------------------------------------------------------------ verbs
     def generate(self, batch: Batch, req: GenerateRequest) -> Batch:
@@ -111,6 +115,9 @@ class Worker:
 
     def compute_values(self, batch: Batch) -> Batch:
         return self._need("critic").compute_values(batch)
+
+    def score_rm(self, batch: Batch) -> Batch:
+        return self._need("reward_model").score(batch)
 
     def update_actor(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
         return self._need("actor").update(batch, spec)

@@ -1,0 +1,55 @@
+"""A tiny scalar-head reward model trained in seconds to prefer correct answers of the synthetic copy task
+(`copy a b 7 =` -> `7`), saved as an HF folder that `rewards.model.path` loads like any checkpoint."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from fleetrl.data.tasks import copy_task
+from fleetrl.models.tiny import DEFAULT_WORDS, build_tiny_tokenizer
+from fleetrl.rewards.model import build_tiny_rm, encode_pairs, render_pair
+
+_WORDS = [*DEFAULT_WORDS, ""]  # digits first
+
+
+def _pair(row: dict, rng: random.Random, tok, hard: float = 0.5) -> tuple[str, float]:  # noqa: ANN001
+    """A one-word answer (the learning test samples one token): right half the time, else a wrong digit with
+    probability `hard` (an RM that only checks "a digit" is what a policy learns to exploit), else any other
+    word or nothing (special tokens decode to "")."""
+    gt = row["reward_model"]["ground_truth"]
+    if rng.random() < 0.5:
+        return render_pair(tok, row["prompt"], gt), 1.0
+    wrong = [w for w in (_WORDS[:10] if rng.random() < hard else _WORDS) if w != gt]
+    return render_pair(tok, row["prompt"], rng.choice(wrong)), 0.0
+
+
+def _logits(rm: torch.nn.Module, tok, texts: list[str]) -> torch.Tensor:  # noqa: ANN001
+    ids, mask = encode_pairs(tok, texts, 64, torch.device("cpu"))
+    return rm(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 0]
+
+
+def train_copy_rm(out: Path, *, steps: int = 700, seed: int = 0) -> tuple[Path, float]:
+    """Trains with BCE on balanced good/bad pairs; returns the saved folder and the accuracy on held-out prompts
+    against wrong-digit answers (the hard case)."""
+    tok = build_tiny_tokenizer()
+    rm = build_tiny_rm(hidden_size=64, seed=seed).train()
+    rng = random.Random(seed)
+    rows = copy_task(n=1000, split="train")
+    opt = torch.optim.Adam(rm.parameters(), lr=3e-3)
+    for _ in range(steps):
+        batch = [_pair(rng.choice(rows), rng, tok) for _ in range(64)]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            _logits(rm, tok, [t for t, _ in batch]), torch.tensor([y for _, y in batch]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rm.eval()
+    held_out = [_pair(r, rng, tok, hard=1.0) for r in copy_task(n=200, split="val")]  # wrong digits only
+    with torch.no_grad():
+        pred = _logits(rm, tok, [t for t, _ in held_out]) > 0
+    accuracy = float((pred == torch.tensor([y > 0 for _, y in held_out])).float().mean())
+    rm.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out, accuracy

@@ -1,0 +1,83 @@
+"""The reward_model role on three raylets (ray.cluster_utils): the policy trains on node A, its rollout engine
+runs on node C, and a tiny scalar-head RM trained inside the test scores every rollout from its own
+two-worker pool on node B. The rule scorer is weighted 0 (RM-only), so the policy can only learn from the RM;
+held-out success (validation scores with the rule, the ground truth) must still climb from < 20% to > 80%."""
+import pytest
+
+from fleetrl.config import derive_plan, load_config
+from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.trainer import Trainer
+from tests.integration.helpers import train_run, val_curve
+from tests.integration.rm_task import train_copy_rm
+
+pytestmark = pytest.mark.slow
+
+
+def placed(rm_path: str) -> list[str]:
+    return [
+        "cluster.pools={policy: {cpus_per_worker: 1, resources: {node_a: 0.1}},"
+        " rm: {workers_per_node: 2, cpus_per_worker: 0.5, resources: {node_b: 0.1}},"
+        " gen: {cpus_per_worker: 1, resources: {node_c: 0.1}}}",
+        "cluster.roles={actor: policy, rollout: gen, reward_model: rm}",
+        f"rewards.model={{path: '{rm_path}', max_length: 64, micro_batch_size: 64, normalize: true}}",
+        "rewards.combine={default: {rule: 0, model: 1}}",
+        # One-token answers: the RM was trained on those. With longer ones this tiny RM (which must find where
+        # the answer starts) is exploitable, and the policy learns to raise RM scores without answering right.
+        "rollout.max_new_tokens=1",
+        # In a group whose answers are all wrong the RM scores differ only by its noise (-8.0 vs -8.3);
+        # dividing by the group's std would blow that noise up to unit advantages (docs/reward_models.md).
+        "algorithm.norm_adv_by_std=false",
+    ]
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}})
+    nodes = {"node_a": cluster.head_node}
+    nodes["node_b"] = cluster.add_node(num_cpus=1, resources={"node_b": 1})
+    nodes["node_c"] = cluster.add_node(num_cpus=1, resources={"node_c": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield {name: n.node_id for name, n in nodes.items()}
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def copy_rm(tmp_path_factory):
+    path, accuracy = train_copy_rm(tmp_path_factory.mktemp("rm"))
+    assert accuracy > 0.95, f"the test's reward model reached only {accuracy:.2f} held-out accuracy"
+    return str(path)
+
+
+def test_rm_pool_lands_on_its_node(tmp_path, three_nodes, copy_rm):
+    cfg = load_config("examples/quickstart.yaml", [*placed(copy_rm), "trainer.total_steps=1", "data.val=null",
+                                                   "tracking.console=false", "tracking.progress=false"])
+    plan = derive_plan(cfg)
+    assert plan.roles["reward_model"] == "rm" and plan.world["reward_model"] == 2
+    trainer = Trainer(plan, Tracker(tmp_path, cfg.tracking, {}, "rm"), tmp_path)
+    try:
+        metrics = trainer.fit()
+        where = {i["node_id"] for i in trainer.group("reward_model").node_infos()}
+    finally:
+        trainer.shutdown()
+    assert where == {three_nodes["node_b"]}
+    assert {"train/rm_score_mean", "train/rm_score_std", "train/rule_score_mean"} <= set(metrics)
+
+
+def test_policy_learns_from_rm_scores_alone(tmp_path, three_nodes, copy_rm):
+    records = train_run("examples/quickstart.yaml", tmp_path / "run", *placed(copy_rm), "trainer.total_steps=120",
+                        "trainer.val_every=30", "actor.optim.lr=0.0005")
+    curve = val_curve(records)
+    assert curve[0] < 0.2, f"initial held-out success {curve[0]} should start below 20%"
+    assert curve[-1] > 0.8, f"held-out success curve {curve} did not pass 80% training on RM scores alone"
+    train = [r for r in records if "train/rm_score_mean" in r]
+    # RM-only: the trained-on reward is the normalised RM logit, not the 0/1 rule score, and the raw RM score
+    # rises with the rule score it was trained to predict.
+    assert train[-1]["train/rm_score_mean"] > train[0]["train/rm_score_mean"] + 5
+    assert train[0]["train/rule_score_mean"] < 0.2 and train[-1]["train/rule_score_mean"] > 0.6  # sampled at T=1
