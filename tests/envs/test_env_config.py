@@ -19,8 +19,8 @@ def test_the_example_plans_an_episode_wide_response():
     env = plan.config.rollout.env
     assert env.name == "lookup" and dict(env.kwargs) == {"with_key": False, "valid_call_reward": 0.1}
     assert plan.action_mask == "loss_mask"
-    # The engine must hold a prompt plus a whole episode: 32 + 24 tokens, not 32 + max_new_tokens (4).
-    assert plan.rollout.max_seq_len == 32 + 24
+    # The engine must hold a prompt plus a whole episode: 32 + 8 tokens, not 32 + max_new_tokens (1).
+    assert plan.rollout.max_seq_len == 32 + 8
     assert derive_plan(load_config("examples/quickstart.yaml")).action_mask == "response_mask"
 
 
@@ -31,7 +31,7 @@ def test_the_example_plans_an_episode_wide_response():
     ("rollout.env.max_turns=0", r"rollout\.env\.max_turns must be >= 1, got 0"),
     ("rollout.env.max_tokens_per_turn=0", r"rollout\.env\.max_tokens_per_turn must be >= 1, got 0"),
     ("rollout.env.timeout_s=0", r"rollout\.env\.timeout_s must be > 0"),
-    ("algorithm.overlong.buffer=2", r"set algorithm\.overlong\.buffer=0"),
+    ("algorithm.overlong.buffer=1", r"set algorithm\.overlong\.buffer=0"),
 ])
 def test_a_bad_env_spec_fails_at_config_time_naming_the_field(override, match):
     with pytest.raises(ConfigError, match=match):
