@@ -49,7 +49,7 @@ class EngineSizes:
     max_batch: int
     """Most sequences one generate call of one rollout worker carries (training step or validation)."""
     max_seq_len: int
-    """data.max_prompt_length + rollout.max_new_tokens."""
+    """data.max_prompt_length + rollout.max_response_tokens (a whole episode with an environment)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +89,11 @@ class Plan:
     rollout: EngineSizes
     val_batch_prompts: int
     """Prompts per validation generate call (at least one per rollout worker)."""
+    action_mask: Literal["response_mask", "loss_mask"] = "response_mask"
+    """The batch key marking the tokens the policy generated: what KL, advantages, the entropy metric, the
+    rollout correction and the value loss weigh. With rollout.env it is `loss_mask` (the rollout's model-token
+    mask; environment tokens are context with zero weight), and the forward passes still attend over all of
+    response_mask. The actor's policy loss also reads `loss_mask` under overlong.mask_truncated."""
 
     def pool_of(self, role: str) -> PoolPlan:
         return self.pools[self.roles[role]]
@@ -134,6 +139,7 @@ class Plan:
             "critic_optimizer_steps": self.critic_optimizer_steps,
             "rollout_engine": {"max_batch": self.rollout.max_batch, "max_seq_len": self.rollout.max_seq_len},
             "val_batch_prompts": self.val_batch_prompts,
+            "action_mask": self.action_mask,
         }
 
 
@@ -147,6 +153,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
         except ConfigError as e:
             raise ConfigError(f"the fallback placement (cluster.fallback_pools / fallback_roles) is invalid: {e}") from None
     _check_sampling(cfg)
+    _check_env(cfg)
     use_critic = cfg.algorithm.advantage == "gae"
     use_ref = cfg.algorithm.kl.placement != "none"
     use_rm = cfg.rewards.model is not None  # the reward_model role exists only with rewards.model set
@@ -175,7 +182,8 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 kl_into_score=cfg.algorithm.kl.placement == "reward" and is_outcome_estimator(cfg.algorithm.advantage),
                 rollout_correction=correction,
                 recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy or correction,
-                rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts), val_batch_prompts=val_prompts)
+                rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts), val_batch_prompts=val_prompts,
+                action_mask="loss_mask" if cfg.rollout.env else "response_mask")
 
 
 def _total_steps(cfg: RunConfig, train_prompts: int | None) -> int:
@@ -195,7 +203,7 @@ def _total_steps(cfg: RunConfig, train_prompts: int | None) -> int:
 def _engine_sizes(cfg: RunConfig, world: int, samples: int, val_prompts: int) -> EngineSizes:
     val_samples = val_prompts * cfg.rollout.val_n
     per_worker = max(samples // world, -(-val_samples // world))
-    return EngineSizes(max_batch=per_worker, max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    return EngineSizes(max_batch=per_worker, max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_tokens)
 
 
 def fallback_plan(plan: Plan) -> Plan | None:
@@ -275,6 +283,31 @@ def _check_sampling(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
     if r.max_new_tokens < 1:
         raise ConfigError(f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+
+
+def _check_env(cfg: RunConfig) -> None:
+    """rollout.env: the numbers, then one instance built (env_factory does), so a bad name, file or keyword
+    fails here, before any worker starts."""
+    env = cfg.rollout.env
+    if env is None:
+        return
+    for key, value in (("max_turns", env.max_turns), ("max_total_tokens", env.max_total_tokens),
+                       ("max_tokens_per_turn", 1 if env.max_tokens_per_turn is None else env.max_tokens_per_turn)):
+        if value < 1:
+            raise ConfigError(f"rollout.env.{key} must be >= 1, got {value}")
+    if not env.timeout_s > 0:
+        raise ConfigError(f"rollout.env.timeout_s must be > 0 seconds, got {env.timeout_s}")
+    if cfg.algorithm.overlong.buffer:
+        raise ConfigError("algorithm.overlong.buffer penalises one generation's length; with rollout.env an "
+                          "episode's length is bounded by rollout.env.max_total_tokens instead: set "
+                          "algorithm.overlong.buffer=0 (mask_truncated still works: it drops episodes that ran "
+                          "out of that budget)")
+    from fleetrl.envs.base import EnvError, env_factory
+
+    try:
+        env_factory(env.name, **env.kwargs)
+    except EnvError as e:
+        raise ConfigError(f"rollout.env.name / rollout.env.kwargs: {e}") from None
 
 
 def _map_roles(cfg: RunConfig, active: list[str]) -> dict[str, str]:

@@ -47,6 +47,25 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """A multi-turn environment (docs/envs.md): the model and `name` take turns until the episode ends; the
+    episode's reward comes from the environment, not from `rewards`."""
+
+    name: str
+    """A registered environment (`tools`, `lookup`, `single_turn`) or `path/to/file.py:Class`."""
+    kwargs: Mapping[str, Any] = field(default_factory=FrozenDict)
+    """Keyword arguments of every instance (one instance per episode)."""
+    max_turns: int = 4
+    """Model turns per episode."""
+    max_total_tokens: int = 512
+    """Model + environment tokens after the prompt (the response width the trainer sees)."""
+    max_tokens_per_turn: int | None = None
+    """None: rollout.max_new_tokens."""
+    timeout_s: float = 60.0
+    """Deadline of each reset/step call; an episode whose environment passes it ends (finish reason timeout)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     engine: Literal["hf", "fast"] = "hf"
     """Rollout engine: `hf` (transformers generate, the reference) or `fast` (engines/fast)."""
@@ -65,6 +84,13 @@ class RolloutConfig:
     """0 = greedy validation."""
     val_n: int = 1
     """k for mean@k / pass@k at validation."""
+    env: EnvConfig | None = None
+    """None: one response per prompt, scored by `rewards`. Set: multi-turn episodes with this environment."""
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The widest response a rollout returns: a whole episode with an environment, else one generation."""
+        return self.max_new_tokens if self.env is None else self.env.max_total_tokens
 
 
 @dataclass(frozen=True, kw_only=True)

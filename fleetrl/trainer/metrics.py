@@ -9,9 +9,11 @@ from fleetrl.algo import masked_mean
 from fleetrl.batch import Batch
 
 
-def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, recomputed: bool) -> dict[str, float]:
+def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, recomputed: bool,
+                    action_mask: str = "response_mask") -> dict[str, float]:
     """`recomputed`: the old-logprob pass ran (Plan.recompute_logprobs), so entropy and the rollout/trainer gap are
-    measured here; otherwise the on-policy update reported them under the same names."""
+    measured here; otherwise the on-policy update reported them under the same names. `action_mask`
+    (Plan.action_mask): the model's tokens, over which entropy, the log-prob gap and advantages are averaged."""
     m: dict[str, float] = {}
     scores = batch["scores"].numpy()
     m["train/reward_mean"] = float(scores.mean())
@@ -25,7 +27,7 @@ def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, reco
     m["train/response_length_max"] = float(lengths.max())
     m["train/response_clip_ratio"] = float(np.mean([f == "length" for f in batch["finish_reason"]]))
     m["train/prompt_length_mean"] = float(batch["prompt_mask"].sum(-1).float().mean())
-    fmask = mask.float()
+    fmask = batch[action_mask].float()
     if recomputed:
         m["train/entropy"] = float(masked_mean(batch["entropy"], fmask))
         diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * fmask
@@ -37,11 +39,26 @@ def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, reco
     for section in ("reward_stats", "correction", "dynamic_sampling"):  # diagnostics the phases left in meta
         for k, v in batch.meta.get(section, {}).items():
             m[f"train/{k}"] = float(v)
+    if "env_reward" in batch:  # diagnostics of environment episodes (workers/episodes.py)
+        m.update(episode_metrics(batch))
     for k, v in timings.items():
         m[f"train/time/{k}"] = float(v)
     m["train/time/step"] = step_s
     tokens = float(batch["prompt_mask"].sum() + mask.sum())
     m["train/tokens_per_s"] = tokens / max(step_s, 1e-9)
+    return m
+
+
+def episode_metrics(batch: Batch) -> dict[str, float]:
+    """Means per episode of the rollout's env_* counters, the share of environment tokens among all trajectory
+    tokens, and the share of each finish reason."""
+    m = {f"train/env/{name}": float(batch[f"env_{name}"].mean())
+         for name in ("turns", "tool_calls", "tool_errors", "tool_time_s", "timeouts", "env_errors")}
+    env, model = float(batch["env_env_tokens"].sum()), float(batch["env_model_tokens"].sum())
+    m["train/env/env_token_share"] = env / max(env + model, 1.0)
+    reasons = list(batch["finish_reason"])
+    for reason in sorted(set(reasons)):
+        m[f"train/env/finish_{reason}"] = reasons.count(reason) / len(reasons)
     return m
 
 

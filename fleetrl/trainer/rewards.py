@@ -19,6 +19,8 @@ class RewardScorer:
     def __init__(self, cfg: RunConfig, tokenizer: Any) -> None:
         r = cfg.rewards
         self.tokenizer = tokenizer
+        # With an environment the episode's reward is the environment's (the rollout's env_reward).
+        self.from_env = cfg.rollout.env is not None
         self.remote = None
         if r.remote_urls:
             from fleetrl.rewards.remote import RemoteRewardClient
@@ -33,7 +35,7 @@ class RewardScorer:
                                    max_failure_rate=r.max_failure_rate)
 
     def check_sources(self, sources: set[str]) -> None:
-        if self.remote is None:
+        if self.remote is None and not self.from_env:
             self.router.check_sources(sorted(sources))
 
     def close(self) -> None:
@@ -44,6 +46,8 @@ class RewardScorer:
                 for r, m in zip(batch["responses"], batch["response_mask"])]
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.from_env:
+            return batch["env_reward"].float(), {}
         texts = self.decode(batch)
         args = (texts, list(batch["ground_truth"]), list(batch["data_source"]), list(batch["extra_info"]))
         if self.remote is not None:  # prompts too: the server may host a reward model (serve-reward --model)

@@ -36,6 +36,7 @@ from fleetrl.trainer.metrics import rollout_metrics
 from fleetrl.trainer.progress import Progress, RNGState
 from fleetrl.trainer.signals import Interrupted, StopSignal
 from fleetrl.trainer.validate import validate
+from fleetrl.workers.episodes import generate_keys
 from fleetrl.workers.layout import arrange_update
 from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
 from fleetrl.workers.worker import Worker
@@ -95,7 +96,8 @@ class Trainer:
             self.check_finite(metrics)
             self.sync()
             self.progress.step += 1
-            metrics.update(rollout_metrics(batch, self.timings, time.perf_counter() - t0, self.plan.recompute_logprobs))
+            metrics.update(rollout_metrics(batch, self.timings, time.perf_counter() - t0, self.plan.recompute_logprobs,
+                                           self.plan.action_mask))
             metrics["train/kl_coef"] = self.kl_ctl.coef
             metrics["train/time/worker_call_overhead"] = self._ray_overhead()
             self.checkpoint()
@@ -129,7 +131,7 @@ class Trainer:
             batch.tensors["group"] = torch.arange(len(prompts)).repeat_interleave(n)
             req = GenerateRequest(purpose="generate", step=self.step, temperature=self.cfg.rollout.temperature,
                                   min_weights_version=self.progress.weights_version)
-            out = self.group("rollout").call_split(Worker.generate, batch.pick("prompts", "prompt_mask"), req)
+            out = self.group("rollout").call_split(Worker.generate, batch.pick(*generate_keys(self.cfg.rollout)), req)
             return batch.update(out)
 
     def score(self, batch: Batch) -> Batch:
@@ -156,13 +158,13 @@ class Trainer:
                 batch = batch.update(self.group("ref").call_split(Worker.compute_ref_logprobs, seq))
             if self.plan.rollout_correction:  # over the whole batch: max/min do not survive per-rank shares
                 c = self.cfg.algorithm.rollout_correction
-                w, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
+                w, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], batch[self.plan.action_mask],
                                               mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
                 batch.tensors["is_weights"] = w
                 batch.meta["correction"] = {k: float(v) for k, v in stats.items()}
             if self.cfg.algorithm.overlong.mask_truncated:
                 truncated = torch.tensor([f == "length" for f in batch["finish_reason"]])
-                batch.tensors["loss_mask"] = mask_truncated(batch["response_mask"], truncated)
+                batch.tensors["loss_mask"] = mask_truncated(batch[self.plan.action_mask], truncated)
             return batch
 
     def values(self, batch: Batch) -> Batch:
@@ -173,7 +175,7 @@ class Trainer:
 
     def advantages(self, batch: Batch) -> Batch:
         algo = self.cfg.algorithm
-        mask = batch["response_mask"].float()
+        mask = batch[self.plan.action_mask].float()
         scores, token_rewards = batch["scores"], None
         if self.plan.use_ref:
             # Without a recompute pass the rollout's own log-probs stand for the policy's (same weights).
@@ -197,22 +199,23 @@ class Trainer:
         metrics: dict[str, float] = {}
         if self.plan.use_critic:
             with self._timed("update_critic"):
-                critic_batch = batch.pick(*SEQ_KEYS, "values", "returns")
+                critic_batch = batch.pick(*SEQ_KEYS, "values", "returns", self.plan.action_mask)
                 metrics.update(self._update_role("critic", critic_batch, Worker.update_critic))
         if self.plan.actor_updates_at(self.step):
             keys = [*SEQ_KEYS, "advantages", "rollout_logprobs"]
             keys += ["old_logprobs"] if self.plan.recompute_logprobs else []
             keys += ["ref_logprobs"] if self.cfg.algorithm.kl.placement == "loss" else []
             keys += ["is_weights"] if self.plan.rollout_correction else []
-            keys += ["loss_mask"] if self.cfg.algorithm.overlong.mask_truncated else []
+            keys += ["loss_mask"] if self.cfg.algorithm.overlong.mask_truncated or self.cfg.rollout.env else []
             with self._timed("update_actor"):
                 metrics.update(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
         return {f"train/{k}": v for k, v in metrics.items()}
 
     def _update_role(self, role: str, batch: Batch, method: Callable) -> dict[str, float]:
-        loss_mask = "loss_mask" if role == "actor" and "loss_mask" in batch else "response_mask"
+        truncated = role == "actor" and self.cfg.algorithm.overlong.mask_truncated
+        loss_mask = "loss_mask" if truncated else self.plan.action_mask
         parts, minis = arrange_update(batch, self.plan.num_mini_batches, self.plan.world[role],
-                                      norm_len=float(self.cfg.rollout.max_new_tokens), mask_key=loss_mask)
+                                      norm_len=float(self.cfg.rollout.max_response_tokens), mask_key=loss_mask)
         spec = UpdateSpec(minis=minis, kl_coef=self.kl_ctl.coef,
                           old_logprobs="recomputed" if self.plan.recompute_logprobs else "current",
                           is_weights=role == "actor" and self.plan.rollout_correction, loss_mask=loss_mask)

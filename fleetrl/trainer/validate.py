@@ -11,6 +11,7 @@ from fleetrl.config.plan import Plan
 from fleetrl.trainer.feed import PromptFeed
 from fleetrl.trainer.metrics import pass_at_k
 from fleetrl.trainer.rewards import RewardScorer
+from fleetrl.workers.episodes import generate_keys
 from fleetrl.workers.messages import GenerateRequest
 from fleetrl.workers.worker import Worker
 
@@ -24,7 +25,7 @@ def validate(rollout: WorkerGroup, feed: PromptFeed, scorer: RewardScorer, plan:
     scores_by_source: dict[str, list[list[float]]] = defaultdict(list)
     for prompts in feed.all_batches(plan.val_batch_prompts, cfg.data.val_max_prompts):
         batch = prompts.repeat_interleave(k)
-        request = _pad_to_multiple(batch.pick("prompts", "prompt_mask"), rollout.world_size)
+        request = _pad_to_multiple(batch.pick(*generate_keys(cfg.rollout)), rollout.world_size)
         out = rollout.call_split(Worker.generate, request, req).select(range(len(batch)))
         batch = batch.update(out)
         scores, _ = scorer.score(batch)

@@ -41,11 +41,12 @@ class CriticComponent:
 
     def update(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
         return run_update(self.engine, batch, spec, epochs=self.ctx.cfg.algorithm.ppo_epochs,
-                          micro_batch_size=self.ctx.plan.micro_batch_size, loss_fn=self._loss, prefix="critic")
+                          micro_batch_size=self.ctx.plan.micro_batch_size, prefix="critic",
+                          loss_fn=lambda mb, counts: self._loss(mb, counts, spec))
 
-    def _loss(self, mb: Batch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, mb: Batch, counts: MiniBatchCounts, spec: UpdateSpec) -> tuple[torch.Tensor, dict[str, float]]:
         mb = mb.to(self.ctx.device())
-        mask = mb["response_mask"].float()
+        mask = mb[spec.loss_mask].float()  # environment tokens (rollout.env) are not the policy's states
         values = response_values(self.model, mb)
         # Value loss always averages over tokens: the policy's loss_agg choice is about the policy gradient.
         loss, m = value_loss(values, mb["values"], mb["returns"], mask, clip=self.ctx.cfg.algorithm.value_clip,

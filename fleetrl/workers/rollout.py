@@ -55,12 +55,17 @@ class RolloutComponent:
         self.tokenizer = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
         self.model = model
         self.engine = make_engine(ctx, model, self.tokenizer)
+        self.episodes = None
+        if ctx.cfg.rollout.env is not None:  # multi-turn: the environment plays against the engine
+            from fleetrl.workers.episodes import EpisodeRunner
+
+            self.episodes = EpisodeRunner(ctx.cfg.rollout.env)
 
     def engine_model(self) -> torch.nn.Module:
         return self.model
 
     def generate(self, batch: Batch, req: GenerateRequest) -> Batch:
-        """batch: prompts/prompt_mask, already repeated n times."""
+        """batch: prompts/prompt_mask, already repeated n times (plus the per-sample fields with an env)."""
         if self.engine.weights_version < req.min_weights_version:
             raise RuntimeError(f"rollout worker {self.ctx.rank} holds weights version {self.engine.weights_version} "
                                f"but the step needs {req.min_weights_version}: weight sync did not arrive")
@@ -69,6 +74,8 @@ class RolloutComponent:
                                 top_k=r.top_k, stop_token_ids=r.stop_token_ids, stop_strings=r.stop,
                                 seed=self.ctx.plan.seed(req.purpose, req.step, self.ctx.rank))
         with unsharded(self.model):
+            if self.episodes is not None:
+                return self.episodes.play(self.engine, self.tokenizer, batch, params)
             out = self.engine.generate(batch["prompts"], batch["prompt_mask"], params)
         return Batch({"responses": out.responses.cpu(), "response_mask": out.response_mask.long().cpu(),
                       "rollout_logprobs": out.logprobs.float().cpu()},
