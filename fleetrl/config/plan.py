@@ -87,6 +87,9 @@ class Plan:
     rollout: EngineSizes
     val_batch_prompts: int
     """Prompts per validation generate call (at least one per rollout worker)."""
+    ref_from_actor: bool = False
+    """actor.lora is set and the ref shares the actor's pool: the reference log-probs come from the actor's own
+    model with its adapters switched off (peft's disable_adapter), which IS the base model: no second copy."""
 
     def pool_of(self, role: str) -> PoolPlan:
         return self.pools[self.roles[role]]
@@ -126,6 +129,7 @@ class Plan:
             "recompute_logprobs": self.recompute_logprobs,
             "kl_into_score": self.kl_into_score,
             "rollout_correction": self.rollout_correction,
+            "ref_from_actor": self.ref_from_actor,
             "total_steps": self.total_steps,
             "actor_optimizer_steps": self.actor_optimizer_steps,
             "critic_optimizer_steps": self.critic_optimizer_steps,
@@ -144,6 +148,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
         except ConfigError as e:
             raise ConfigError(f"the fallback placement (cluster.fallback_pools / fallback_roles) is invalid: {e}") from None
     _check_sampling(cfg)
+    _check_lora(cfg)
     use_critic = cfg.algorithm.advantage == "gae"
     use_ref = cfg.algorithm.kl.placement != "none"
     active = [r for r in ROLES if (r != "critic" or use_critic) and (r != "ref" or use_ref)]
@@ -169,7 +174,8 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 kl_into_score=cfg.algorithm.kl.placement == "reward" and is_outcome_estimator(cfg.algorithm.advantage),
                 rollout_correction=correction,
                 recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy or correction,
-                rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts), val_batch_prompts=val_prompts)
+                rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts), val_batch_prompts=val_prompts,
+                ref_from_actor=use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"])
 
 
 def _total_steps(cfg: RunConfig, train_prompts: int | None) -> int:
@@ -264,6 +270,23 @@ def _check_sampling(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
     if r.max_new_tokens < 1:
         raise ConfigError(f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """The adapter's numbers; whether `targets` name modules of the model is checked when it loads
+    (fleetrl/models/lora.py), where the module names are known."""
+    lora = cfg.actor.lora
+    if lora is None:
+        return
+    if lora.rank < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
+        raise ConfigError(f"actor.lora needs rank >= 1, alpha > 0 and 0 <= dropout < 1; got rank={lora.rank}, "
+                          f"alpha={lora.alpha}, dropout={lora.dropout} (typical: rank 8-64, alpha = 2 x rank)")
+    if not lora.targets or any(not t.strip() for t in lora.targets):
+        raise ConfigError(f"actor.lora.targets must list module names such as [q_proj, v_proj] or [all-linear]; "
+                          f"got {list(lora.targets)}")
+    if cfg.actor.sharding == "fsdp2":
+        raise ConfigError("actor.lora with actor.sharding=fsdp2 is not supported yet: the adapters are a few MB, "
+                          "so set actor.sharding=none (the frozen base is not duplicated in optimiser state)")
 
 
 def _map_roles(cfg: RunConfig, active: list[str]) -> dict[str, str]:
