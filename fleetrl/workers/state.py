@@ -16,6 +16,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from fleetrl.engines.training import TrainingEngine
 
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Loading leaves the frozen parameters as model.path gave them; dcp.load has already failed on any missing
+# trainable tensor, so nothing strict is lost.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def save_trainable(path: Path, engine: TrainingEngine, rank: int) -> None:
@@ -32,7 +35,7 @@ def load_trainable(path: Path, engine: TrainingEngine) -> None:
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path), no_dist=not engine.sharded)
     set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=_OPTIONS)
+                   optim_state_dict=state["optim"], options=_LOAD_OPTIONS)
 
 
 def save_extras(path: Path, engines: dict[str, TrainingEngine]) -> None:
