@@ -142,3 +142,19 @@ def test_export_writes_merged_full_weights(tmp_path):
     with torch.no_grad():
         ids = torch.tensor([[5, 6, 7, 8, 12, 13]])
         assert (exported(ids).logits - model(ids).logits).abs().max() < 1e-5
+
+
+def test_plan_checks_the_numbers_and_decides_where_the_reference_comes_from():
+    from fleetrl.config import derive_plan, load_config
+    from fleetrl.config.load import ConfigError
+
+    with pytest.raises(ConfigError, match=r"actor.lora needs rank >= 1.*got rank=0"):
+        derive_plan(load_config(None, ["actor.lora={rank: 0}"]))
+    with pytest.raises(ConfigError, match=r"actor.lora.targets must list module names"):
+        derive_plan(load_config(None, ["actor.lora={targets: []}"]))
+    kl = ["algorithm.kl.placement=loss", "actor.lora.rank=4"]
+    plan = derive_plan(load_config(None, kl))
+    assert plan.config.actor.lora == LoraConfig(rank=4) and plan.ref_from_actor
+    separate_ref = ["cluster.pools={main: {}, ref: {}}", "cluster.roles.ref=ref"]
+    assert not derive_plan(load_config(None, [*kl, *separate_ref])).ref_from_actor
+    assert not derive_plan(load_config(None, ["algorithm.kl.placement=loss"])).ref_from_actor  # no LoRA
