@@ -83,6 +83,7 @@ def ensure_data(folder: Path) -> None:
 
 
 def overrides(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
+    # repr('off'): quoted, since YAML reads a bare off as False
     items = [f"model.dtype={args.dtype}", f"rollout.engine={args.engine}", f"cluster.backend={args.backend}",
              f"data.train={data / 'train.parquet'}", f"data.val={data / 'val.parquet'}",
              f"trainer.total_steps={args.steps}", "trainer.val_before_train=false", "trainer.val_every=0",
@@ -90,7 +91,7 @@ def overrides(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
              "tracking.progress=false", f"algorithm.micro_batch_size={args.micro}",
              f"actor.logprob_chunk={args.chunk if args.chunk > 0 else 'null'}",
              f"cluster.pools.main.cpus_per_worker={args.threads}",
-             f"actor.autocast={args.autocast or 'off'}", f"rollout.compute_dtype={args.rollout_dtype or 'model'}"]
+             f"actor.autocast={args.autocast or repr('off')}", f"rollout.compute_dtype={args.rollout_dtype or 'model'}"]
     if args.lora > 0:  # adapters on every linear layer but the head; alpha = 2 x rank (scale 2)
         items.append(f"actor.lora={{rank: {args.lora}, alpha: {2 * args.lora}}}")
     if args.omp_wait != "default":

@@ -37,7 +37,8 @@ def resolve_targets(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
     """Full names of the linear layers `targets` select, in the model's module order.
 
     A target matches a linear layer whose name is the target or ends with "." + target (peft's rule for a list);
-    `all-linear` selects every linear layer but the LM head. Raises LoraTargetError naming the targets that match
+    `all-linear` selects every linear layer but the LM head, which may be named explicitly unless it is tied to
+    the input embedding. Raises LoraTargetError naming the targets that match
     nothing and listing the linear layer names the model has.
     """
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -58,10 +59,16 @@ def resolve_targets(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
         raise LoraTargetError(f"actor.lora.targets: {unmatched} match no linear layer of the model; its linear "
                               f"layers are named {suffixes} (full names like {linears[0]!r}). Use those names, a "
                               f"dotted suffix of a full name, or {ALL_LINEAR!r}")
-    if chosen & head_names:
-        raise LoraTargetError(f"actor.lora.targets selects the LM head {sorted(chosen & head_names)}; adapting it is "
-                              "not supported (it is often tied to the input embedding): leave it out of targets")
+    if chosen & head_names and _tied_head(model):
+        raise LoraTargetError(f"actor.lora.targets selects the LM head {sorted(chosen & head_names)}, which this model "
+                              "ties to its input embedding (one tensor, so a merged head would change the embedding "
+                              "too); leave it out of targets")
     return [n for n in linears if n in chosen]
+
+
+def _tied_head(model: nn.Module) -> bool:
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, *, gradient_checkpointing: bool = False) -> PeftModel:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 LORA = ("actor.lora={rank: 8, alpha: 16}", "actor.optim.lr=0.01")
 RESUME = ("model.path=tiny:", "data.prompts_per_step=8", "rollout.n=4", "algorithm.mini_batch_prompts=4",
           "algorithm.micro_batch_size=8", "algorithm.ppo_epochs=2", "trainer.val_every=3", "data.val_max_prompts=16",
-          "trainer.save_every=3", "trainer.keep_last=0", *LORA)
+          "trainer.save_every=3", "trainer.keep_last=0", "trainer.delta_checkpoints=exact", *LORA)
 
 
 def test_lora_learns_the_copy_task(tmp_path, ray_local):
@@ -57,6 +57,25 @@ def test_lora_checkpoint_resumes_exactly(tmp_path, ray_local):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"actor {k} differs after resume"
+    _exports_agree(tmp_path / "a" / "checkpoints" / "step_6", tmp_path / "export")
+
+
+def _exports_agree(ckpt, out):
+    """`fleetrl export` (adapters merged) and `--from-deltas` (base + the merged projections the deltas hold)
+    write the same full weights."""
+    from safetensors.torch import load_file
+
+    from fleetrl.checkpoint.delta import load_delta
+    from fleetrl.checkpoint.export import export_hf
+    from fleetrl.checkpoint.manager import export_via_deltas
+
+    # the deltas hold the adapted projections only: 2 layers x 7
+    assert len(load_delta(ckpt / "delta.safetensors").entries) == 14
+    merged = load_file(export_hf(ckpt, out / "merged") / "model.safetensors")
+    rebuilt = load_file(export_via_deltas(ckpt, out / "deltas") / "model.safetensors")
+    assert merged.keys() == rebuilt.keys() and not any("lora" in k for k in merged)
+    for k in merged:
+        assert torch.equal(merged[k], rebuilt[k]), k
 
 
 def test_separate_rollout_pool_receives_merged_projections(tmp_path, ray_local):

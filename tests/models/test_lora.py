@@ -58,7 +58,9 @@ def test_unknown_target_names_the_field_and_lists_module_names():
     with pytest.raises(LoraTargetError, match=r"actor.lora.targets: \['qkv'\] match no linear layer.*"
                                               r"\['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj'"):
         resolve_targets(model, ("q_proj", "qkv"))
-    with pytest.raises(LoraTargetError, match="selects the LM head"):
+    assert resolve_targets(model, ("lm_head",)) == ["lm_head"]  # tiny's head is untied
+    model.lm_head.weight = model.model.embed_tokens.weight
+    with pytest.raises(LoraTargetError, match="selects the LM head.*ties to its input embedding"):
         resolve_targets(model, ("lm_head",))
 
 
@@ -112,7 +114,7 @@ def test_fast_engine_decodes_with_the_merged_adapters():
     from fleetrl.engines.protocol import SamplingParams
     from fleetrl.models.hf import load_tokenizer
 
-    model, _, engine = _trained()
+    model, _, engine = _trained(targets=("all-linear", "lm_head"))
     tokenizer = load_tokenizer(TINY)
     greedy = SamplingParams(max_new_tokens=5, temperature=0.0)
     fast = FastRolloutEngine(model, tokenizer, device="cpu", max_batch=4, max_seq_len=64)

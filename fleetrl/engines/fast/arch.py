@@ -126,9 +126,9 @@ def merged_weights(model: torch.nn.Module, into: ModelWeights | None = None) -> 
         return None
     base = model_weights(model)
     known = {f"model.layers.{i}.{path}" for i in range(len(base.layers)) for path in PROJECTIONS.values()}
-    if set(adapted) - known:
-        raise ValueError(f"the fast engine merges LoRA adapters on the attention/MLP projections only; "
-                         f"{sorted(set(adapted) - known)[:3]} are adapted too: narrow actor.lora.targets or use "
+    if set(adapted) - known - {"lm_head"}:
+        raise ValueError(f"the fast engine merges LoRA adapters on the attention/MLP projections and the LM head "
+                         f"only; {sorted(set(adapted) - known)[:3]} are adapted too: narrow actor.lora.targets or use "
                          "rollout.engine=hf")
     layers = []
     for i, lw in enumerate(base.layers):
@@ -140,7 +140,11 @@ def merged_weights(model: torch.nn.Module, into: ModelWeights | None = None) -> 
                 if into is not None:
                     fields[field] = getattr(into.layers[i], field).copy_(fields[field])
         layers.append(dataclasses.replace(lw, **fields))
-    return ModelWeights(base.embed, layers, base.norm, base.lm_head)
+    lm_head = base.lm_head
+    if "lm_head" in adapted:  # only an untied head may be adapted (models/lora.py refuses a tied one)
+        lm_head = merged_weight(adapted["lm_head"])
+        lm_head = into.lm_head.copy_(lm_head) if into is not None else lm_head
+    return ModelWeights(base.embed, layers, base.norm, lm_head)
 
 
 def cast_weights(weights: ModelWeights, dtype: torch.dtype) -> ModelWeights:
