@@ -171,7 +171,7 @@ class LoraConfig:
     """Dropout on the adapter's input during updates (log-prob passes and generation run without it)."""
     targets: tuple[str, ...] = ("all-linear",)
     """Linear modules to adapt, by name or name suffix (`q_proj`, `self_attn.v_proj`); `all-linear` = every
-    linear layer except the LM head."""
+    linear layer except the LM head, which may be added by name (`lm_head`) when it is not tied to the embedding."""
 
 
 @dataclass(frozen=True, kw_only=True)
