@@ -1,10 +1,18 @@
-"""End-to-end GRPO step on GPU(s) through the real trainer: tokens/s/GPU and seconds per phase.
+"""End-to-end GRPO step on GPU(s) through the real trainer: tokens/s/GPU, seconds per phase, peak memory, MFU.
 
-    PYTHONPATH=. python bench/e2e.py --gpus 1 [--engine fast|hf] [--steps 5] [--out DIR]
+    PYTHONPATH=. python bench/e2e.py --gpus 1 [--engine fast|hf] [--steps 5] [--lengths fixed|longtail]
+        [--out DIR] [overrides: algorithm.micro_batch_tokens=16384 actor.fused_logprob_chunk=4096 ...]
 
 Weak scaling: each GPU gets the single-GPU workload (32 prompts × 8 samples × 256 new tokens of the
 Qwen2.5-0.5B shape); scaling efficiency at G GPUs = tokens/s/GPU(G) / tokens/s/GPU(1).
 tokens/s/GPU = (prompt + response tokens of the step) / step time / GPUs.
+
+--lengths longtail: responses stop at a per-sample length drawn from a seeded lognormal (mean 300 after
+clipping at --max-len 1024 new tokens; bench/longtail.py documents the rule); local backend only (1 GPU).
+Reported besides: padding waste = 1 - real tokens / token slots of the actor update's forwards (a padded
+micro-batch computes B × (longest prompt + longest response) slots, a packed one its real tokens rounded up
+to 128); update MFU = (6·N·tokens + 12·L·H_attn·Σ len²) / update time / dense bf16 peak (bench/README.md);
+peak GPU memory over the whole run (torch.cuda.max_memory_allocated, this process).
 """
 from __future__ import annotations
 
@@ -12,13 +20,18 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from fleetrl.config import derive_plan, load_config
-from fleetrl.trainer.run import run_plan
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import longtail  # noqa: E402
+from bench.common import matmul_params, peak_bf16_tflops  # noqa: E402
+from fleetrl.config import derive_plan, load_config  # noqa: E402
+from fleetrl.models.shapes import QWEN25, RANDOM_PREFIX  # noqa: E402
+from fleetrl.trainer.run import run_plan  # noqa: E402
 
 PHASES = ("generate", "score", "logprobs", "update_actor", "sync")
 
@@ -30,6 +43,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--config", default="bench/e2e_grpo.yaml")
+    ap.add_argument("--lengths", choices=("fixed", "longtail"), default="fixed")
+    ap.add_argument("--mean-len", type=float, default=335.0, help="lognormal mean before clipping (335: 300 after)")
+    ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench"))
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (for variants)")
     ap.add_argument("overrides", nargs="*")
@@ -37,31 +53,73 @@ def main() -> None:
     g = args.gpus
     overrides = [f"rollout.engine={args.engine}", f"trainer.total_steps={args.steps}",
                  f"data.prompts_per_step={32 * g}", f"cluster.pools.main.workers_per_node={g}",
-                 f"cluster.backend={'local' if g == 1 else 'ray'}", "tracking.console=false", *args.overrides]
+                 f"cluster.backend={'local' if g == 1 else 'ray'}", "tracking.console=false"]
+    if args.lengths == "longtail":
+        overrides.append(f"rollout.max_new_tokens={args.max_len}")
+    overrides += args.overrides
     run_dir = Path(f"/tmp/fleetrl-e2e-{g}gpu-{args.engine}-{int(time.time())}")
     overrides.append(f"trainer.output_dir={run_dir}")
     plan = derive_plan(load_config(args.config, overrides))
+    stats: list[dict] = []
+    if g == 1:  # in-process workers: the stop rule and the FLOP counts hook the rollout component
+        longtail.install(mean=args.mean_len if args.lengths == "longtail" else None, max_len=args.max_len,
+                         seed=plan.config.trainer.seed, stats=stats)
+    elif args.lengths == "longtail":
+        raise SystemExit("--lengths longtail needs --gpus 1 (the stop rule patches the in-process rollout worker)")
     t0 = time.time()
     run_plan(plan, run_dir)
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/time/step" in r][args.warmup:]
+    result = summarize(rows, stats[-len(rows):] if stats else [], plan, args, overrides, t0)
+    out = Path(args.out) / f"e2e_grpo_{g}gpu_{args.engine}{args.tag}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"e2e GRPO {g} GPU(s), engine={args.engine}, lengths={args.lengths}: {result['step_s']:.2f} s/step, "
+          f"{result['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, update MFU {result['update_mfu']}, padding waste "
+          f"{result['padding_waste']}; phases " + ", ".join(f"{p}={v:.2f}s" for p, v in result["phases_s"].items()))
+    print("RESULT " + json.dumps(result))
+
+
+def summarize(rows: list[dict], stats: list[dict], plan, args, overrides: list[str], t0: float) -> dict:  # noqa: ANN001
+    g = args.gpus
     step = statistics.mean(r["train/time/step"] for r in rows)
     tokens = statistics.mean(r["train/tokens_per_s"] * r["train/time/step"] for r in rows)
-    result = {
-        "bench": "e2e_grpo", "gpus": g, "engine": args.engine, "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    phases = {p: statistics.mean(r.get(f"train/time/{p}", 0.0) for r in rows) for p in PHASES}
+    real = sum(r.get("train/actor/tokens_real", 0.0) for r in rows)
+    slots = sum(r.get("train/actor/tokens_slots", 0.0) for r in rows)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {
+        "bench": "e2e_grpo", "gpus": g, "engine": args.engine, "lengths": args.lengths,
+        "date": time.strftime("%Y-%m-%d"), "device": device,
         "workload": {"model": plan.config.model.path, "prompts_per_step": plan.config.data.prompts_per_step,
-                     "n": plan.config.rollout.n, "max_new_tokens": plan.config.rollout.max_new_tokens},
-        "step_s": step, "tokens_per_step": tokens, "tokens_per_s_per_gpu": tokens / step / g,
-        "phases_s": {p: statistics.mean(r.get(f"train/time/{p}", 0.0) for r in rows) for p in PHASES},
+                     "n": plan.config.rollout.n, "max_new_tokens": plan.config.rollout.max_new_tokens,
+                     "mean_response_tokens": (statistics.mean(s["response_tokens"] / s["samples"] for s in stats)
+                                              if stats else None),
+                     "max_response_tokens": max((s["max_response"] for s in stats), default=None),
+                     "micro_batch_tokens": plan.micro_batch_tokens, "micro_batch_size": plan.micro_batch_size,
+                     "fused_logprob_chunk": plan.config.actor.fused_logprob_chunk},
+        "step_s": step, "tokens_per_step": tokens, "tokens_per_s_per_gpu": tokens / step / g, "phases_s": phases,
+        "padding_waste": round(1 - real / slots, 4) if slots else None,
+        "update_mfu": _update_mfu(stats, phases["update_actor"], plan.config.model.path, device),
+        "peak_gpu_mem_gib": (torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None),
         "rollout_logprob_diff_mean": statistics.mean(r["train/rollout_logprob_diff_mean"] for r in rows),
         "wall_s": time.time() - t0, "overrides": overrides, "tag": args.tag,
     }
-    out = Path(args.out) / f"e2e_grpo_{g}gpu_{args.engine}{args.tag}.json"
-    out.write_text(json.dumps(result, indent=1))
-    print(f"e2e GRPO {g} GPU(s), engine={args.engine}: {step:.2f} s/step, "
-          f"{result['tokens_per_s_per_gpu']:.0f} tokens/s/GPU; phases " +
-          ", ".join(f"{p}={v:.2f}s" for p, v in result["phases_s"].items()))
+
+
+def _update_mfu(stats: list[dict], update_s: float, model_path: str, device: str) -> float | None:
+    """PaLM-style MFU of the actor update (one forward + backward of every trained token) on one GPU."""
+    peak = peak_bf16_tflops(device)
+    name = model_path.removeprefix(RANDOM_PREFIX)
+    if not stats or not peak or update_s <= 0 or name not in QWEN25:
+        return None
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**QWEN25[name], vocab_size=151936)
+    with torch.device("meta"):
+        n = matmul_params(Qwen2ForCausalLM(cfg))
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    flops = statistics.mean(6 * n * s["tokens"] + attn * s["sum_len_sq"] for s in stats)
+    return round(flops / update_s / (peak * 1e12), 4)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ def train(config: str = typer.Argument(..., help="Run config YAML."),
           overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. actor.optim.lr=1e-6"),
           ) -> None:
     """Train with CONFIG (starts a local Ray cluster when cluster.address is not set)."""
-    from fleetrl.cluster.health import is_recoverable
     from fleetrl.trainer.run import train as run_train
     from fleetrl.trainer.signals import Interrupted
 
@@ -34,6 +33,8 @@ def train(config: str = typer.Argument(..., help="Run config YAML."),
     except Interrupted as e:  # the run already printed where it stopped and how to continue
         raise typer.Exit(e.exit_code) from None
     except Exception as e:
+        from fleetrl.cluster.health import is_recoverable  # imports Ray: only once a run has failed
+
         if not is_recoverable(e):
             raise
         report(e)  # a lost/stalled worker with no restarts left: the message is the diagnosis, not a traceback

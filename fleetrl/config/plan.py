@@ -70,6 +70,8 @@ class Plan:
     num_mini_batches: int
     micro_batch_size: int
     """Samples per data-parallel rank per forward/backward."""
+    micro_batch_tokens: int | None
+    """Token budget of a packed actor micro-batch (algorithm.micro_batch_tokens); None = micro_batch_size."""
     total_steps: int
     actor_optimizer_steps: int
     """Optimiser steps of the whole run (the LR schedule's length): steps after the critic warm-up ×
@@ -123,6 +125,7 @@ class Plan:
             "mini_batch_samples": self.mini_batch_samples,
             "num_mini_batches": self.num_mini_batches,
             "micro_batch_size_per_rank": self.micro_batch_size,
+            "micro_batch_tokens": self.micro_batch_tokens,
             "use_critic": self.use_critic,
             "use_ref": self.use_ref,
             "rollout_colocated": self.rollout_colocated,
@@ -169,6 +172,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     return Plan(config=cfg, pools=FrozenDict(pools), roles=FrozenDict(roles), world=FrozenDict(world),
                 use_critic=use_critic, use_ref=use_ref, rollout_colocated=roles["rollout"] == roles["actor"],
                 samples_per_step=samples, mini_batch_samples=mini, num_mini_batches=n_mini, micro_batch_size=micro,
+                micro_batch_tokens=_packing(cfg),
                 total_steps=total, actor_optimizer_steps=max(actor_steps, 1),
                 critic_optimizer_steps=total * n_mini * epochs,
                 kl_into_score=cfg.algorithm.kl.placement == "reward" and is_outcome_estimator(cfg.algorithm.advantage),
@@ -352,6 +356,23 @@ def _batch_arithmetic(cfg: RunConfig, world: dict[str, int]) -> tuple[int, int, 
     if cfg.algorithm.ppo_epochs < 1:
         raise ConfigError(f"algorithm.ppo_epochs must be >= 1, got {cfg.algorithm.ppo_epochs}")
     return samples, mini, prompts // mini_prompts, micro
+
+
+def _packing(cfg: RunConfig) -> int | None:
+    """Validates the packed-forward keys; returns the token budget of an actor micro-batch (None = off)."""
+    budget, chunk, a = cfg.algorithm.micro_batch_tokens, cfg.actor.fused_logprob_chunk, cfg.actor
+    if budget is not None and budget < 1:
+        raise ConfigError(f"algorithm.micro_batch_tokens={budget} must be a positive token count (e.g. 16384) or "
+                          "null for micro_batch_size samples per micro-batch")
+    if chunk is not None and chunk < 1:
+        raise ConfigError(f"actor.fused_logprob_chunk={chunk} must be a positive token count (e.g. 4096) or null")
+    _one_of("actor.packed_attention", a.packed_attention,
+            ["auto", "flex_attention", "flash_attention_2", "flash_attention_3", "sdpa", "eager"])
+    if budget is not None and a.sharding == "fsdp2":
+        # The packed forward calls the backbone and LM head directly, outside the root FSDP2 module's hooks.
+        raise ConfigError("algorithm.micro_batch_tokens (packed forward) does not support actor.sharding=fsdp2 "
+                          "yet; set micro_batch_tokens=null or sharding=none")
+    return budget
 
 
 def _one_of(key: str, value: str, choices: list[str]) -> None:

@@ -139,6 +139,9 @@ class AlgorithmConfig:
     """Prompts per optimiser step; None = all prompts of the step (one update per epoch)."""
     micro_batch_size: int = 8
     """Samples per data-parallel rank per forward/backward."""
+    micro_batch_tokens: int | None = None
+    """Token budget (prompt + response tokens) per actor forward/backward; the samples of a micro-batch are
+    packed into one row without padding (fleetrl/models/packing.py). None = micro_batch_size samples, padded."""
     recompute_logprobs: Literal["auto", "always"] = "auto"
     """Fully on-policy updates (1 epoch, 1 mini-batch) need no separate old-logprob pass: the
     importance ratio is exactly 1, so `auto` uses the update's own detached log-probs as the old ones."""
@@ -182,6 +185,13 @@ class ActorConfig:
     gradients and optimiser state sharded with FSDP2; a colocated rollout unshards once per generate)."""
     logprob_chunk: int | None = None
     """Tokens per chunk when computing log-softmax over the vocabulary (None = whole sequence at once)."""
+    fused_logprob_chunk: int | None = None
+    """Tokens per chunk of the fused LM-head + log-softmax + entropy pass of packed forwards
+    (algo/fused_logprobs.py: no [tokens, vocab] tensor is kept for backward); None = plain LM head.
+    `logprob_chunk` applies to padded forwards only."""
+    packed_attention: str = "auto"
+    """transformers attention implementation of packed forwards: auto (flex_attention on GPU, the model's own
+    on CPU) | flex_attention | flash_attention_2 | sdpa | eager (sdpa/eager build a dense tokens² mask)."""
     compile: bool = False
     """torch.compile each decoder layer for the training forward/backward (GPU; the first step compiles)."""
     autocast: Literal["off", "bfloat16", "float16"] = "off"

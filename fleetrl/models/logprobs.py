@@ -107,10 +107,7 @@ def _full_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
 def _response_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      position_ids: torch.Tensor, P: int, R: int) -> torch.Tensor:
     """Final hidden states at the R positions that predict the response tokens: [B, R, H]."""
-    for name in _LOGIT_POSTPROCESSING:
-        if getattr(getattr(model, "config", None), name, None) not in (None, 1.0):
-            raise ValueError(f"sequence_logprobs(chunk_size=...) applies the LM head itself and cannot reproduce "
-                             f"this model's `{name}`; use chunk_size=None for {type(model).__name__}")
+    check_head_only(model, "sequence_logprobs(chunk_size=...)")
     from fleetrl.models.value_head import (
         backbone_of,  # local import: value_head imports this module
     )
@@ -118,6 +115,14 @@ def _response_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     out = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False)
     return out.last_hidden_state[:, P - 1:P + R - 1]
+
+
+def check_head_only(model: nn.Module, caller: str) -> None:
+    """Raises if the model transforms logits after its LM head (callers that apply the head themselves)."""
+    for name in _LOGIT_POSTPROCESSING:
+        if getattr(getattr(model, "config", None), name, None) not in (None, 1.0):
+            raise ValueError(f"{caller} applies the LM head itself and cannot reproduce this model's `{name}`; "
+                             f"use chunk_size=None and algorithm.micro_batch_tokens=null for {type(model).__name__}")
 
 
 def _lm_head(model: nn.Module) -> nn.Module:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from rich.text import Text
 
-from fleetrl.checkpoint.manager import find_resume
 from fleetrl.config import Plan, derive_plan, load_config, redacted_dict, write_config
 from fleetrl.config.schema import RunConfig
 from fleetrl.tracking.tracker import Tracker
@@ -33,6 +32,8 @@ def plan_for(cfg: RunConfig) -> Plan:
 def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
     """Reads the data and checks rewards BEFORE creating the run directory or starting Ray (a bad file fails in
     seconds and leaves nothing behind), then claims the directory, starts Ray and runs under the supervisor."""
+    # Heavy imports (torch, transformers, Ray) only after the config was validated: a bad flag fails in ~1 s.
+    from fleetrl.checkpoint.manager import find_resume
     from fleetrl.cluster.runtime import ensure_ray
     from fleetrl.trainer.supervisor import Supervisor
 

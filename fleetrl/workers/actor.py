@@ -13,8 +13,9 @@ from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
 from fleetrl.models.lora import apply_lora
+from fleetrl.models.packing import PackedForward, padded_token_slots
 from fleetrl.workers.context import WorkerContext, dtype_of
-from fleetrl.workers.layout import micro_batches, pad_response
+from fleetrl.workers.layout import pad_response, update_micro_batches
 from fleetrl.workers.messages import MiniBatchCounts, UpdateMetrics, UpdateSpec
 from fleetrl.workers.update import run_update
 
@@ -37,16 +38,19 @@ def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.n
 
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temperature: float,
-                     chunk: int | None, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) [B, R] of the response tokens under `model`, micro-batch by micro-batch."""
+                     chunk: int | None, entropy: bool,
+                     packed: PackedForward | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) [B, R] of the response tokens under `model`, micro-batch by micro-batch
+    (token-budget micro-batches through the packed forward when `packed` is given)."""
     model.eval()
     device = next(model.parameters()).device
     logps, ents = [], []
-    for mb in micro_batches(batch, micro):
+    for mb in update_micro_batches(batch, micro, packed.max_tokens if packed else None):
         heartbeat.beat()
         mb = mb.to(device)
-        lp, ent = sequence_logprobs(model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
-                                    temperature=temperature, return_entropy=entropy, chunk_size=chunk)
+        args = (model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
+        lp, ent = (packed(*args, temperature=temperature, return_entropy=entropy) if packed else
+                   sequence_logprobs(*args, temperature=temperature, return_entropy=entropy, chunk_size=chunk))
         full_r = mb.meta.get("full_response_len", lp.shape[1])
         logps.append(pad_response(lp.float().cpu(), full_r))
         if entropy:
@@ -59,6 +63,15 @@ def gen_temperature(ctx: WorkerContext) -> float:
     # (temperature 0) are scored at temperature 1.
     t = ctx.cfg.rollout.temperature
     return t if t > 0 else 1.0
+
+
+def packed_forward(ctx: WorkerContext) -> PackedForward | None:
+    """The packed forward of this run (algorithm.micro_batch_tokens set), or None for padded micro-batches."""
+    if ctx.plan.micro_batch_tokens is None:
+        return None
+    a = ctx.cfg.actor
+    return PackedForward(max_tokens=ctx.plan.micro_batch_tokens, fused_chunk=a.fused_logprob_chunk,
+                         attention=PackedForward.choose_attention(a.packed_attention, ctx.device()))
 
 
 class ActorComponent:
@@ -74,6 +87,7 @@ class ActorComponent:
                                      total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),
                                      sharded=ctx.cfg.actor.sharding == "fsdp2",
                                      autocast_dtype=None if ctx.cfg.actor.autocast == "off" else dtype_of(ctx.cfg.actor.autocast))
+        self.packed = packed_forward(ctx)
 
     @property
     def chunk(self) -> int | None:
@@ -83,22 +97,24 @@ class ActorComponent:
 
     def compute_logprobs(self, batch: Batch) -> Batch:
         logp, ent = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
-                                     temperature=gen_temperature(self.ctx), chunk=self.chunk, entropy=True)
+                                     temperature=gen_temperature(self.ctx), chunk=self.chunk, entropy=True,
+                                     packed=self.packed)
         return Batch({"old_logprobs": logp, "entropy": ent})
 
     def update(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
         return run_update(self.engine, batch, spec, epochs=self.ctx.cfg.algorithm.ppo_epochs,
                           micro_batch_size=self.ctx.plan.micro_batch_size,
-                          loss_fn=lambda mb, counts: self._loss(mb, counts, spec), prefix="actor")
+                          loss_fn=lambda mb, counts: self._loss(mb, counts, spec), prefix="actor",
+                          micro_batch_tokens=self.packed.max_tokens if self.packed else None)
 
     def _loss(self, mb: Batch, counts: MiniBatchCounts, spec: UpdateSpec) -> tuple[torch.Tensor, dict[str, float]]:
         algo = self.ctx.cfg.algorithm
         mb = mb.to(self.ctx.device())
         on_policy = spec.old_logprobs == "current"
         need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here
-        logp, ent = sequence_logprobs(self.model, mb["prompts"], mb["prompt_mask"], mb["responses"],
-                                      mb["response_mask"], temperature=gen_temperature(self.ctx),
-                                      return_entropy=need_entropy, chunk_size=self.chunk)
+        args = (self.model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
+        kw = dict(temperature=gen_temperature(self.ctx), return_entropy=need_entropy)
+        logp, ent = self.packed(*args, **kw) if self.packed else sequence_logprobs(*args, **kw, chunk_size=self.chunk)
         mask = mb[spec.loss_mask].float()
         agg = dict(agg=algo.loss_agg, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, norm_len=counts.norm_len)
         # On-policy (no recompute pass): old = this forward's own detached log-probs, so the ratio is exactly 1
@@ -112,6 +128,9 @@ class ActorComponent:
         # so summing over micro-batches and ranks gives the mini-batch mean.
         share = float(mask.sum()) / max(counts.num_tokens, 1.0)
         metrics = {"actor/pg_loss": float(loss.detach())}
+        # Totals (summed over micro-batches and ranks), for padding waste = 1 - real / slots.
+        slots = (self.packed.token_slots if self.packed else padded_token_slots)(mb["prompt_mask"], mb["response_mask"])
+        metrics.update({"actor/tokens_real": float(slots[0]), "actor/tokens_slots": float(slots[1])})
         metrics.update({f"actor/{k}": float(v) * share for k, v in m.items()})
         if on_policy:  # the recompute pass did not run, so its per-token metrics are measured here
             metrics.update(_rollout_agreement(logp, ent, mb["rollout_logprobs"], mask, share))
@@ -158,5 +177,5 @@ class RefComponent:
         with self.adapters.disable_adapter() if self.adapters is not None else nullcontext():
             logp, _ = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
                                        temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
-                                       entropy=False)
+                                       entropy=False, packed=packed_forward(self.ctx))
         return Batch({"ref_logprobs": logp})

@@ -51,6 +51,27 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     return [trim_padding(batch.select(range(i, min(i + size, n)))) for i in range(0, n, size)]
 
 
+def token_micro_batches(batch: Batch, max_tokens: int) -> list[Batch]:
+    """Consecutive micro-batches of at most `max_tokens` real (prompt + response) tokens each, for the packed
+    forward; a sample longer than the budget gets a micro-batch of its own. Every row lands in exactly one, in
+    order, so losses normalised by the mini-batch's global counts sum to the same total as with sample counts."""
+    lengths = (batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)).tolist()
+    groups: list[list[int]] = []
+    used = max_tokens + 1  # forces a new group for the first row
+    for i, n in enumerate(lengths):
+        if used + n > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return [trim_padding(batch.select(g)) for g in groups]
+
+
+def update_micro_batches(batch: Batch, size: int, max_tokens: int | None) -> list[Batch]:
+    """Token-budget micro-batches when `max_tokens` is set, else `size` samples each."""
+    return micro_batches(batch, size) if max_tokens is None else token_micro_batches(batch, max_tokens)
+
+
 def trim_padding(mb: Batch) -> Batch:
     if "prompt_mask" not in mb or "response_mask" not in mb:
         return mb

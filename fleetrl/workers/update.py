@@ -7,27 +7,28 @@ import torch
 
 from fleetrl.batch import Batch
 from fleetrl.engines.training import TrainingEngine
-from fleetrl.workers.layout import micro_batches, rank_minis
+from fleetrl.workers.layout import rank_minis, update_micro_batches
 from fleetrl.workers.messages import MiniBatchCounts, UpdateMetrics, UpdateSpec
 
 LossFn = Callable[[Batch, MiniBatchCounts], tuple[torch.Tensor, dict[str, float]]]
 
 
 def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs: int, micro_batch_size: int,
-               loss_fn: LossFn, prefix: str) -> UpdateMetrics:
+               loss_fn: LossFn, prefix: str, micro_batch_tokens: int | None = None) -> UpdateMetrics:
     """`batch` is this rank's share of every mini-batch in mini-batch order (workers/layout.py); `spec.minis`
     holds each mini-batch's GLOBAL counts, so losses are normalised as for the full batch.
 
     loss_fn returns (loss, metrics); its metrics carry their final names (the controller only adds `train/`)
     and are shares of global means (summed over micro-batches here and over ranks by the controller). Returns
     the means over optimiser steps, plus `{prefix}/grad_norm` and `/lr` (equal on all ranks) and the count of
-    skipped (non-finite) updates.
+    skipped (non-finite) updates. Micro-batches hold `micro_batch_size` samples, or at most `micro_batch_tokens`
+    real tokens when that is set (packed forwards); either way every row of a mini-batch is in exactly one.
     """
     minis = rank_minis(batch, len(spec.minis))
     sums: dict[str, float] = {}
     for _ in range(epochs):
         for mini, counts in zip(minis, spec.minis):
-            metrics = engine.step(iter(micro_batches(mini, micro_batch_size)), lambda mb, c=counts: loss_fn(mb, c))
+            metrics = engine.step(iter(update_micro_batches(mini, micro_batch_size, micro_batch_tokens)), lambda mb, c=counts: loss_fn(mb, c))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
     steps = len(spec.minis) * epochs

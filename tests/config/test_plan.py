@@ -54,6 +54,15 @@ def test_recompute_logprobs_only_when_the_update_is_not_on_policy():
     assert _plan("data.prompts_per_step=8", "algorithm.mini_batch_prompts=4").recompute_logprobs  # 2 mini-batches
     assert _plan("data.prompts_per_step=8", "algorithm.ppo_epochs=2").recompute_logprobs
     assert _plan("data.prompts_per_step=8", "algorithm.recompute_logprobs=always").recompute_logprobs
+    # Rollout correction weights old/rollout: it needs the trainer's log-probs even on-policy.
+    p = _plan("data.prompts_per_step=8", "algorithm.rollout_correction.mode=tis")
+    assert p.rollout_correction and p.recompute_logprobs
+
+
+def test_kl_folds_into_the_score_only_for_outcome_estimators_with_kl_in_the_reward():
+    assert _plan("algorithm.advantage=grpo", "algorithm.kl.placement=reward").kl_into_score
+    assert not _plan("algorithm.advantage=gae", "algorithm.kl.placement=reward").kl_into_score  # token rewards
+    assert not _plan("algorithm.advantage=grpo", "algorithm.kl.placement=loss").kl_into_score
 
 
 def test_optimizer_steps_leave_out_the_critic_warmup():
@@ -76,7 +85,7 @@ def test_cpu_threads_are_the_whole_cpu_share():
 def test_summary_lists_every_derived_number():
     s = _plan("data.prompts_per_step=8", "rollout.n=4").summary()
     assert set(s) == {"roles", "pools", "samples_per_step", "mini_batch_samples", "num_mini_batches",
-                      "micro_batch_size_per_rank", "use_critic", "use_ref", "rollout_colocated", "recompute_logprobs",
+                      "micro_batch_size_per_rank", "micro_batch_tokens", "use_critic", "use_ref", "rollout_colocated", "recompute_logprobs",
                       "total_steps", "actor_optimizer_steps", "critic_optimizer_steps", "rollout_engine",
                       "val_batch_prompts", "kl_into_score", "rollout_correction", "ref_from_actor"}
     assert s["samples_per_step"] == 32 and s["roles"]["actor"] == "main (dp=1)"

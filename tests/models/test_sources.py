@@ -43,6 +43,7 @@ def smol():
 
 
 @needs_smol
+@pytest.mark.slow  # the `smol` fixture loads SmolLM2-135M (~20 s)
 def test_loads_in_the_target_dtype_and_predicts_text(smol):
     model, tok = smol
     cfg = model.config
@@ -58,6 +59,7 @@ def test_loads_in_the_target_dtype_and_predicts_text(smol):
 
 
 @needs_smol
+@pytest.mark.slow
 def test_chat_template_and_special_tokens(smol):
     _, tok = smol
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)

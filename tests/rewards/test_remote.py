@@ -233,6 +233,7 @@ def test_black_hole_server_fails_start_up_in_seconds_not_the_scoring_timeout():
     assert elapsed < 10, f"start-up check against a black hole took {elapsed:.1f}s"
 
 
+@pytest.mark.slow  # waits out a retry deadline
 def test_hung_score_is_retried_within_a_bounded_time_then_recoverable():
     # 1 + 2 retries of a 1 s read timeout, backoffs 0.1 + 0.2 s: about 3.3 s, and never the 120 s default.
     # (connect_timeout_s=3: the /health probes, every 3 s, never start before the 1 s read timeout.)

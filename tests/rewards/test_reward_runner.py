@@ -122,6 +122,7 @@ def test_scorer_that_never_returns_stops_the_run_naming_it_within_bounded_time(r
     assert "4 timeouts, 12 not run" in str(err.value)
 
 
+@pytest.mark.slow  # waits out scoring timeouts
 def test_hung_scorer_without_a_rate_limit_is_isolated_and_counted_each_batch(router):
     # max_failure_rate=1 (never stop): each batch still costs one round of timeouts, the good scorer's samples
     # still score, and after the first timeout (isolation=auto) the workers are processes that get killed.
@@ -151,6 +152,7 @@ def test_failure_rate_counts_errors_per_scorer(router):
         RewardRunner(router, max_failure_rate=1.5)
 
 
+@pytest.mark.slow  # waits out scoring timeouts
 def test_a_scorer_that_hangs_only_on_some_inputs_is_not_declared_hung(router):
     # One worker, so calls run in order. "sleepy" hangs on "hang". Timeout streaks: 1, 2, reset by "fast", 1, 2,
     # reset: never 3 in a row, so every sample runs (4 timeouts, 0 skipped).

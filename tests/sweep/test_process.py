@@ -3,6 +3,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from fleetrl.sweep.process import RunProcess, end_orphan, log_tail, stop_all
 
@@ -18,6 +19,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.slow  # waits out the SIGTERM grace of a process tree
 def test_stop_all_ends_a_tree_that_ignores_sigterm_and_escapes_its_session(tmp_path):
     run = RunProcess.start([sys.executable, "-c", _TREE], env={"PATH": "/usr/bin:/bin"}, log_path=tmp_path / "log")
     deadline = time.monotonic() + 20

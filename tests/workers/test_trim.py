@@ -1,7 +1,7 @@
 import torch
 
 from fleetrl.batch import Batch
-from fleetrl.workers.actor import micro_batches, pad_response
+from fleetrl.workers.layout import micro_batches, pad_response
 
 
 def test_micro_batches_drop_shared_padding_columns():
