@@ -7,6 +7,7 @@ worker (the driver itself with --backend local, the largest Ray child process wi
 
     PYTHONPATH=. python bench/cpu_smollm2.py --steps 3 --engine fast --dtype float32 --label after
     PYTHONPATH=. python bench/cpu_smollm2.py --steps 3 --engine hf --backend ray --label before
+    PYTHONPATH=. python bench/cpu_smollm2.py --steps 3 --engine fast --lora 16 --label lora16
 
 Writes bench/results/cpu_smollm2_<label>.json and prints one markdown row.
 """
@@ -82,6 +83,7 @@ def ensure_data(folder: Path) -> None:
 
 
 def overrides(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
+    # repr('off'): quoted, since YAML reads a bare off as False
     items = [f"model.dtype={args.dtype}", f"rollout.engine={args.engine}", f"cluster.backend={args.backend}",
              f"data.train={data / 'train.parquet'}", f"data.val={data / 'val.parquet'}",
              f"trainer.total_steps={args.steps}", "trainer.val_before_train=false", "trainer.val_every=0",
@@ -89,7 +91,9 @@ def overrides(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
              "tracking.progress=false", f"algorithm.micro_batch_size={args.micro}",
              f"actor.logprob_chunk={args.chunk if args.chunk > 0 else 'null'}",
              f"cluster.pools.main.cpus_per_worker={args.threads}",
-             f"actor.autocast={args.autocast or 'off'}", f"rollout.compute_dtype={args.rollout_dtype or 'model'}"]
+             f"actor.autocast={args.autocast or repr('off')}", f"rollout.compute_dtype={args.rollout_dtype or 'model'}"]
+    if args.lora > 0:  # adapters on every linear layer but the head; alpha = 2 x rank (scale 2)
+        items.append(f"actor.lora={{rank: {args.lora}, alpha: {2 * args.lora}}}")
     if args.omp_wait != "default":
         items.append(f"cluster.env.OMP_WAIT_POLICY={args.omp_wait.upper()}")
     return items + list(args.set)
@@ -125,6 +129,7 @@ def main() -> None:
                          "their sibling is descheduled make every op up to 100x slower (passive: they sleep)")
     ap.add_argument("--autocast", default="", help="actor.autocast for the update (e.g. bfloat16)")
     ap.add_argument("--rollout-dtype", default="", help="rollout.compute_dtype of the fast engine (e.g. bfloat16)")
+    ap.add_argument("--lora", type=int, default=0, help="actor.lora rank (0 = full fine-tuning)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     # The local backend's worker reads these in-process; Ray workers get them through cluster.env.
@@ -138,7 +143,8 @@ def main() -> None:
 
     data = Path(args.data)
     ensure_data(data)
-    label = args.label or f"{args.engine}_{args.dtype}_{args.backend}_t{args.threads}"
+    label = args.label or f"{args.engine}_{args.dtype}_{args.backend}_t{args.threads}" + (
+        f"_lora{args.lora}" if args.lora else "")
     with tempfile.TemporaryDirectory(prefix="cpu_smollm2_") as tmp:
         run_dir = Path(tmp) / "run"
         plan = derive_plan(load_config(str(CONFIG), overrides(args, data, run_dir)))

@@ -3,11 +3,14 @@
 A checkpoint is the folder `OUT/checkpoints/step_N/` written by fleetrl/checkpoint/manager.py:
 
   meta.json   {"step": N, "model_path": "...", "tokenizer_path": "...", "dtype": "float32", ...}
-  actor/      a torch.distributed.checkpoint (DCP) folder holding {"model": <the causal LM's state_dict()>}
+  actor/      a torch.distributed.checkpoint (DCP) folder holding {"model": <the causal LM's state_dict()>}, or
+              with meta["lora"] only the adapters' tensors (the base is model_path itself)
 
 DCP stores tensors without the module structure, so reading it needs a template state dict of the right
 shapes: we build the run's base model (`meta["model_path"]`) and load the saved tensors into its state dict in
-place. That works in a plain single process on CPU; no process group is needed.
+place. That works in a plain single process on CPU; no process group is needed. A LoRA checkpoint is loaded into
+the base model with the same adapters injected, then merged (W + (alpha/rank)·B·A) and unwrapped: what export
+writes is a plain model of the base architecture.
 """
 from __future__ import annotations
 
@@ -19,8 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fleetrl.config.load import build
+from fleetrl.config.schema import LoraConfig
 from fleetrl.errors import UserError
 from fleetrl.models.hf import DTYPES, load_causal_lm, load_tokenizer
+from fleetrl.models.lora import adapter_keys, apply_lora
 
 META_FILE = "meta.json"
 ACTOR_DIR = "actor"
@@ -76,12 +82,26 @@ def load_actor_model(ckpt_dir: str | Path) -> tuple[PreTrainedModel, dict]:
         raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} was trained from model_path {meta['model_path']!r}, "
                               f"which cannot be loaded: {err}\nIf the base model moved, point model_path in "
                               f"{str(ckpt_dir / META_FILE)!r} at its new location") from err
+    adapters = _inject_lora(model, meta, ckpt_dir) if meta.get("lora") else None
     template = model.state_dict()  # shares storage with the parameters, so loading fills the model in place
+    if adapters is not None:  # the checkpoint holds the trainable tensors only
+        template = {k: template[k] for k in adapter_keys(model)}
     _check_layout(actor_dir, template)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         dcp.load({DCP_KEY: template}, checkpoint_id=str(actor_dir))
+    if adapters is not None:
+        model = adapters.merge_and_unload()
     return model, meta
+
+
+def _inject_lora(model: PreTrainedModel, meta: dict, ckpt_dir: Path):  # noqa: ANN202 (a peft.PeftModel)
+    try:
+        cfg = build(LoraConfig, meta["lora"], "meta.json lora")
+        return apply_lora(model, cfg)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {str(ckpt_dir)!r}: its meta.json 'lora' entry {meta['lora']} does not fit "
+                              f"the model {meta['model_path']!r}: {err}") from err
 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None) -> Path:

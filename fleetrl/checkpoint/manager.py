@@ -7,7 +7,8 @@ Layout of OUT/checkpoints/step_N/ (written as step_N.tmp/, renamed when complete
   controller.pt          step, weights version, sampler position, KL controller, controller RNG
   config.yaml            the run config, secrets redacted, mode 0600 (a changed config on resume is reported as a diff)
   checksums.json         size and sha256 of every file above, checked before a resume trusts the checkpoint
-  meta.json              step, model/tokenizer paths, dtype (what `fleetrl export` needs); written last
+  meta.json              step, model/tokenizer paths, dtype, actor.lora if any (what `fleetrl export` needs);
+                         written last
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from fleetrl.checkpoint.export import CheckpointError, read_meta
 from fleetrl.checkpoint.integrity import CHECKSUMS, COMPLETE_MARK, file_checksums, validate_checkpoint
 from fleetrl.config import dump_yaml, write_config
-from fleetrl.config.load import redact_yaml_text
+from fleetrl.config.load import redact_yaml_text, to_dict
 from fleetrl.config.schema import RunConfig
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ def save_checkpoint(out_dir: Path, step: int, *, groups: Sequence["WorkerGroup"]
     write_config(tmp / "config.yaml", config)
     m = config.model
     meta = {"step": step, "model_path": m.path, "tokenizer_path": m.tokenizer or m.path, "dtype": m.dtype}
+    if config.actor.lora is not None:  # export rebuilds the adapters around the base model to merge them
+        meta["lora"] = to_dict(config.actor.lora)
     if actor is not None:
         _save_delta(actor, config, root, step, tmp, meta)
     (tmp / CHECKSUMS).write_text(json.dumps(file_checksums(tmp), indent=1))

@@ -191,6 +191,20 @@ class OptimConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Low-rank adapters on the actor (`fleetrl/models/lora.py`, through peft): W' = W + (alpha/rank)·B·A."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    """Scale of the update is alpha/rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during updates (log-prob passes and generation run without it)."""
+    targets: tuple[str, ...] = ("all-linear",)
+    """Linear modules to adapt, by name or name suffix (`q_proj`, `self_attn.v_proj`); `all-linear` = every
+    linear layer except the LM head, which may be added by name (`lm_head`) when it is not tied to the embedding."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sharding: Literal["none", "fsdp2"] = "none"
@@ -212,6 +226,8 @@ class ActorConfig:
     model.dtype); on CPU bf16 autocast measured 1.2x faster updates for SmolLM2 (bench/RESULTS.md)."""
     offload_optimizer: bool = False
     """Move the optimiser state to CPU memory during generation (colocated rollout) and back for the update."""
+    lora: LoraConfig | None = None
+    """None = full fine-tuning; else only the adapters train (base frozen, optimiser state for adapters only)."""
 
 
 @dataclass(frozen=True, kw_only=True)

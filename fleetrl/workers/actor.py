@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
@@ -11,6 +12,7 @@ from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
+from fleetrl.models.lora import apply_lora
 from fleetrl.models.packing import PackedForward, padded_token_slots
 from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.layout import pad_response, update_micro_batches
@@ -76,6 +78,11 @@ class ActorComponent:
     def __init__(self, ctx: WorkerContext, model: torch.nn.Module, dist_info: DistInfo) -> None:
         self.ctx = ctx
         self.model = model
+        # actor.lora: adapters injected into `model` in place (a colocated rollout engine shares them); only they
+        # require grad, so the optimiser below holds state for them alone.
+        lora = ctx.cfg.actor.lora
+        self.adapters = None if lora is None else apply_lora(
+            model, lora, gradient_checkpointing=ctx.cfg.model.gradient_checkpointing)
         self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info,
                                      total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),
                                      sharded=ctx.cfg.actor.sharding == "fsdp2",
@@ -152,16 +159,23 @@ def _rollout_agreement(logp_BT: torch.Tensor, ent_BT: torch.Tensor, rollout_logp
 
 
 class RefComponent:
-    """Frozen copy of the initial policy for KL."""
+    """The initial policy for KL: a frozen copy of it, or (Plan.ref_from_actor) the LoRA actor's own model
+    with its adapters switched off, which computes exactly the base model's function."""
 
-    def __init__(self, ctx: WorkerContext) -> None:
+    def __init__(self, ctx: WorkerContext, actor: ActorComponent | None = None) -> None:
         self.ctx = ctx
+        self.adapters = actor.adapters if actor is not None else None
+        if actor is not None:
+            assert actor.adapters is not None, "ref_from_actor needs a LoRA actor"
+            self.model = actor.model
+            return
         self.model = load_policy_model(ctx).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
-        logp, _ = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
-                                   temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
-                                   entropy=False, packed=packed_forward(self.ctx))
+        with self.adapters.disable_adapter() if self.adapters is not None else nullcontext():
+            logp, _ = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
+                                       temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
+                                       entropy=False, packed=packed_forward(self.ctx))
         return Batch({"ref_logprobs": logp})

@@ -1,5 +1,8 @@
 """A worker's share of a checkpoint: model + optimiser through torch.distributed.checkpoint (by parameter
-name, so any data-parallel size can load it), and a small per-worker file of scheduler and RNG states."""
+name, so any data-parallel size can load it), and a small per-worker file of scheduler and RNG states.
+
+Only trainable parameters (and buffers) are stored: frozen ones come back from model.path on every start. With
+actor.lora that is the adapters and their Adam state, a few MB instead of the whole model."""
 from __future__ import annotations
 
 import random
@@ -12,22 +15,27 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from fleetrl.engines.training import TrainingEngine
 
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Loading leaves the frozen parameters as model.path gave them; dcp.load has already failed on any missing
+# trainable tensor, so nothing strict is lost.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
 
 def save_trainable(path: Path, engine: TrainingEngine, rank: int) -> None:
     """Unsharded: every rank holds the same full state, so rank 0 writes it alone (no collective).
     Sharded (FSDP2): every rank writes its shards collectively."""
     if not engine.sharded and rank != 0:
         return
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=StateDictOptions())
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=_OPTIONS)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=not engine.sharded)
 
 
 def load_trainable(path: Path, engine: TrainingEngine) -> None:
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=StateDictOptions())
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=_OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path), no_dist=not engine.sharded)
     set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"], options=_LOAD_OPTIONS)
 
 
 def save_extras(path: Path, engines: dict[str, TrainingEngine]) -> None:

@@ -3,7 +3,8 @@
 The bus is its own process group (TCPStore + a Gloo or NCCL backend built directly), so it does not
 disturb the default group the trainer's data parallelism uses. Both ends iterate their OWN model's
 state_dict in the same order (the rollout copy is built from the same config), so no metadata travels:
-only flat buckets of `bucket_mb`. Every collective has the bus timeout: a receiver that never shows up makes
+only flat buckets of `bucket_mb`. With actor.lora only the adapted projections travel, merged (`sync_state`).
+Every collective has the bus timeout: a receiver that never shows up makes
 the sender fail with a timeout instead of hanging.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from fleetrl import heartbeat
+from fleetrl.config.schema import LoraConfig
+from fleetrl.models.lora import merged_targets, target_weight_names
 
 
 class WeightBus:
@@ -85,3 +88,20 @@ def full_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             t = t.full_tensor()
         items.append((name, t))
     return items
+
+
+def sync_state(model: torch.nn.Module, lora: LoraConfig | None) -> list[tuple[str, torch.Tensor]]:
+    """What the actor publishes: every tensor, or with LoRA only the merged adapted weights W + ΔW (the frozen
+    rest — embeddings, norms, unadapted layers — never changes, and the receiver already holds it)."""
+    if lora is None:
+        return full_state(model)
+    return merged_targets(model)
+
+
+def receive_layout(model: torch.nn.Module, lora: LoraConfig | None) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    """(the receiver's own tensors that `sync_state` will fill, in its order; whether that is a subset). The
+    receiver's plain model resolves actor.lora.targets to the same module names, in the same module order."""
+    if lora is None:
+        return full_state(model), False
+    own = dict(model.state_dict())
+    return [(name, own[name]) for name in target_weight_names(model, lora)], True

@@ -86,7 +86,7 @@ class Worker:
 
             self.rollout = RolloutComponent(ctx, model)
         if "ref" in roles:
-            self.ref = RefComponent(ctx)
+            self.ref = RefComponent(ctx, self.actor if ctx.plan.ref_from_actor else None)
         if "critic" in roles:
             from fleetrl.workers.critic import CriticComponent
 
@@ -138,17 +138,20 @@ class Worker:
 
     def bus_send(self, bucket_bytes: int) -> int:
         """Every actor rank gathers (sharded params need all ranks); only bus rank 0 (actor rank 0) sends."""
-        from fleetrl.workers.weight_bus import full_state, send
+        from fleetrl.workers.weight_bus import send, sync_state
 
-        named = full_state(self._need("actor").model)
+        named = sync_state(self._need("actor").model, self.ctx.cfg.actor.lora)
         return send(self.bus, named, bucket_bytes) if self.bus is not None else 0
 
     def bus_receive(self, bucket_bytes: int, version: int) -> int:
-        from fleetrl.workers.weight_bus import full_state, receive
+        from fleetrl.workers.weight_bus import receive, receive_layout
 
         heartbeat.maybe_freeze("bus_receive")
         rollout = self._need("rollout")
-        received = receive(self.bus, full_state(rollout.engine_model()), bucket_bytes)
+        own, partial = receive_layout(rollout.engine_model(), self.ctx.cfg.actor.lora)
+        received = receive(self.bus, own, bucket_bytes)
+        if partial:  # only the adapted projections travelled; engines take whole state dicts, so the rest is
+            received = {**rollout.engine_model().state_dict(), **received}  # the engine's own (copied onto itself)
         rollout.load_weights(received, version)
         return version
 
@@ -178,8 +181,11 @@ class Worker:
         load_extras(root / "workers" / f"{self.ctx.pool}_r{self.ctx.rank}.pt", self._engines())
 
     def model_state(self, role: str) -> dict[str, torch.Tensor]:
+        """The role's weights under plain HF names (a LoRA actor's adapters merged in)."""
+        from fleetrl.models.lora import merged_state_dict
+
         comp = self._need(role)
-        return {k: v.detach().cpu().clone() for k, v in comp.model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in merged_state_dict(comp.model).items()}
 
     def shutdown(self) -> None:
         if dist.is_initialized():

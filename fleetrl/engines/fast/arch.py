@@ -7,6 +7,7 @@ compares `weight_fingerprint` before each call and re-captures if a parameter wa
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,43 @@ def model_weights(model: torch.nn.Module) -> ModelWeights:
             mlp.down_proj.weight.data, _data(_bias(mlp.down_proj))))
     return ModelWeights(model.model.embed_tokens.weight.data, layers, model.model.norm.weight.data,
                         model.lm_head.weight.data)
+
+
+# LayerWeights field -> the projection it reads, under a decoder layer (the modules LoRA may adapt here).
+PROJECTIONS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+               "wo": "self_attn.o_proj", "wg": "mlp.gate_proj", "wu": "mlp.up_proj", "wd": "mlp.down_proj"}
+
+
+def merged_weights(model: torch.nn.Module, into: ModelWeights | None = None) -> ModelWeights | None:
+    """`model_weights` with every LoRA-adapted projection replaced by its merged W + ΔW (fleetrl/models/lora.py);
+    None when nothing is adapted. The merged tensors are new, or written in place into `into`'s (whose
+    addresses CUDA graphs may hold); every other tensor is still the model's own."""
+    from fleetrl.models.lora import lora_layers, merged_weight
+
+    adapted = lora_layers(model)
+    if not adapted:
+        return None
+    base = model_weights(model)
+    known = {f"model.layers.{i}.{path}" for i in range(len(base.layers)) for path in PROJECTIONS.values()}
+    if set(adapted) - known - {"lm_head"}:
+        raise ValueError(f"the fast engine merges LoRA adapters on the attention/MLP projections and the LM head "
+                         f"only; {sorted(set(adapted) - known)[:3]} are adapted too: narrow actor.lora.targets or use "
+                         "rollout.engine=hf")
+    layers = []
+    for i, lw in enumerate(base.layers):
+        fields = {}
+        for field, path in PROJECTIONS.items():
+            layer = adapted.get(f"model.layers.{i}.{path}")
+            if layer is not None:
+                fields[field] = merged_weight(layer)
+                if into is not None:
+                    fields[field] = getattr(into.layers[i], field).copy_(fields[field])
+        layers.append(dataclasses.replace(lw, **fields))
+    lm_head = base.lm_head
+    if "lm_head" in adapted:  # only an untied head may be adapted (models/lora.py refuses a tied one)
+        lm_head = merged_weight(adapted["lm_head"])
+        lm_head = into.lm_head.copy_(lm_head) if into is not None else lm_head
+    return ModelWeights(base.embed, layers, base.norm, lm_head)
 
 
 def cast_weights(weights: ModelWeights, dtype: torch.dtype) -> ModelWeights:

@@ -90,14 +90,21 @@ class FastRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> GenerationOutput:
         rows = self._unpad(prompts, prompt_mask, params)
+        # LoRA actor: merged W + ΔW of the adapted projections (before graphs are captured, which read them);
+        # kept between calls only where captured graphs hold their addresses.
+        self._fwd.merge_adapters(keep=self.use_cuda_graphs)
         buf = self._ready(len(rows), max(len(r) for r in rows) + params.max_new_tokens)
         key = self._configure(buf, params)
         if self.dtype != self.model_dtype:
             self._fwd.cast_for_call(self.dtype)
+            if not self.use_cuda_graphs:
+                self._fwd.merged = None  # the cast copy holds the merge now
         try:
             tok, lp, counts = self._run(buf, rows, params.max_new_tokens, key)
         finally:
             self._fwd.shadow = None
+            if not self.use_cuda_graphs:
+                self._fwd.merged = None
         stop_set = set(self._eos) | set(params.stop_token_ids)
         return assemble_output(tok, lp, counts, stop_set, params.stop_strings, self.tokenizer, prompts.device)
 

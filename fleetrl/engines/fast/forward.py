@@ -19,6 +19,7 @@ from fleetrl.engines.fast.arch import (
     DecoderSpec,
     ModelWeights,
     cast_weights,
+    merged_weights,
     model_weights,
     rope_tables,
 )
@@ -56,14 +57,23 @@ class DecoderForward:
         # A copy of the weights in the compute dtype, set for the duration of a generate call when the model's
         # own dtype differs (fp32 trainer, bf16 decode); None = decode with the model's tensors in place.
         self.shadow: ModelWeights | None = None
+        # A LoRA actor's weights with its adapters merged (set by `merge_adapters`); None = no adapters.
+        self.merged: ModelWeights | None = None
 
     def weights(self) -> ModelWeights:
-        return self.shadow if self.shadow is not None else model_weights(self.model)
+        if self.shadow is not None:
+            return self.shadow
+        return self.merged if self.merged is not None else model_weights(self.model)
+
+    def merge_adapters(self, keep: bool) -> None:
+        """Merges the model's LoRA adapters (which change between calls) for the next call. `keep`: into the
+        buffers of the previous merge, so their addresses stay fixed for captured CUDA graphs."""
+        self.merged = merged_weights(self.model, self.merged if keep else None)
 
     def cast_for_call(self, dtype: torch.dtype) -> None:
-        """Takes a `dtype` copy of the model's current weights (they change in place between calls)."""
+        """Takes a `dtype` copy of the model's current (merged) weights (they change in place between calls)."""
         self.shadow = None  # free the previous copy first
-        self.shadow = cast_weights(model_weights(self.model), dtype)
+        self.shadow = cast_weights(self.merged if self.merged is not None else model_weights(self.model), dtype)
 
     # ----------------------------------------------------------------------------------------- prefill
     def prefill(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
