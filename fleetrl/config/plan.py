@@ -89,8 +89,14 @@ class Plan:
     rollout: EngineSizes
     val_batch_prompts: int
     """Prompts per validation generate call (at least one per rollout worker)."""
-                action_mask="loss_mask" if cfg.rollout.env else "response_mask",
-                ref_from_actor=use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"])
+    action_mask: Literal["response_mask", "loss_mask"] = "response_mask"
+    """The batch key marking the tokens the policy generated: what KL, advantages, the entropy metric, the
+    rollout correction and the value loss weigh. With rollout.env it is `loss_mask` (the rollout's model-token
+    mask; environment tokens are context with zero weight), and the forward passes still attend over all of
+    response_mask. The actor's policy loss also reads `loss_mask` under overlong.mask_truncated."""
+    ref_from_actor: bool = False
+    """actor.lora is set and the ref shares the actor's pool: the reference log-probs come from the actor's own
+    model with its adapters switched off (peft's disable_adapter), which IS the base model: no second copy."""
 
     def pool_of(self, role: str) -> PoolPlan:
         return self.pools[self.roles[role]]
@@ -151,8 +157,8 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
         except ConfigError as e:
             raise ConfigError(f"the fallback placement (cluster.fallback_pools / fallback_roles) is invalid: {e}") from None
     _check_sampling(cfg)
-                action_mask="loss_mask" if cfg.rollout.env else "response_mask",
-                ref_from_actor=use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"])
+    _check_env(cfg)
+    _check_lora(cfg)
     use_critic = cfg.algorithm.advantage == "gae"
     use_ref = cfg.algorithm.kl.placement != "none"
     use_rm = cfg.rewards.model is not None  # the reward_model role exists only with rewards.model set
@@ -285,8 +291,46 @@ def _check_sampling(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
 
 
-                action_mask="loss_mask" if cfg.rollout.env else "response_mask",
-                ref_from_actor=use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"])
+def _check_env(cfg: RunConfig) -> None:
+    """rollout.env: the numbers, then one instance built (env_factory does), so a bad name, file or keyword
+    fails here, before any worker starts."""
+    env = cfg.rollout.env
+    if env is None:
+        return
+    for key, value in (("max_turns", env.max_turns), ("max_total_tokens", env.max_total_tokens),
+                       ("max_tokens_per_turn", 1 if env.max_tokens_per_turn is None else env.max_tokens_per_turn)):
+        if value < 1:
+            raise ConfigError(f"rollout.env.{key} must be >= 1, got {value}")
+    if not env.timeout_s > 0:
+        raise ConfigError(f"rollout.env.timeout_s must be > 0 seconds, got {env.timeout_s}")
+    if cfg.algorithm.overlong.buffer:
+        raise ConfigError("algorithm.overlong.buffer penalises one generation's length; with rollout.env an "
+                          "episode's length is bounded by rollout.env.max_total_tokens instead: set "
+                          "algorithm.overlong.buffer=0 (mask_truncated still works: it drops episodes that ran "
+                          "out of that budget)")
+    from fleetrl.envs.base import EnvError, env_factory
+
+    try:
+        env_factory(env.name, **env.kwargs)
+    except EnvError as e:
+        raise ConfigError(f"rollout.env.name / rollout.env.kwargs: {e}") from None
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """The adapter's numbers; whether `targets` name modules of the model is checked when it loads
+    (fleetrl/models/lora.py), where the module names are known."""
+    lora = cfg.actor.lora
+    if lora is None:
+        return
+    if lora.rank < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
+        raise ConfigError(f"actor.lora needs rank >= 1, alpha > 0 and 0 <= dropout < 1; got rank={lora.rank}, "
+                          f"alpha={lora.alpha}, dropout={lora.dropout} (typical: rank 8-64, alpha = 2 x rank)")
+    if not lora.targets or any(not t.strip() for t in lora.targets):
+        raise ConfigError(f"actor.lora.targets must list module names such as [q_proj, v_proj] or [all-linear]; "
+                          f"got {list(lora.targets)}")
+    if cfg.actor.sharding == "fsdp2":
+        raise ConfigError("actor.lora with actor.sharding=fsdp2 is not supported yet: the adapters are a few MB, "
+                          "so set actor.sharding=none (the frozen base is not duplicated in optimiser state)")
 
 
 def _map_roles(cfg: RunConfig, active: list[str]) -> dict[str, str]:
