@@ -162,7 +162,11 @@ def jobs_list(address: str = Address, token_file: Optional[Path] = TokenFile) ->
     """List the cluster's jobs."""
     from fleetrl.cluster.jobs import list_jobs
 
-    table = Table("job", "status", "entrypoint", "message")
+    from rich.table import Column
+
+    # The id is what users copy into `jobs status/logs/stop`: never wrapped or cut, whatever the terminal width
+    # (the entrypoint and message columns fold instead).
+    table = Table(Column("job", no_wrap=True, min_width=26), Column("status", no_wrap=True), "entrypoint", "message")
     for j in list_jobs(address, _token(token_file)):
         table.add_row(*(Text(str(v)) for v in (j.job_id, j.status, j.entrypoint, j.message)))
     console.print(table)
