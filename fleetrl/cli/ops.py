@@ -160,9 +160,9 @@ def submit(
 @_user_errors
 def jobs_list(address: str = Address, token_file: Optional[Path] = TokenFile) -> None:
     """List the cluster's jobs."""
-    from fleetrl.cluster.jobs import list_jobs
-
     from rich.table import Column
+
+    from fleetrl.cluster.jobs import list_jobs
 
     # The id is what users copy into `jobs status/logs/stop`: never wrapped or cut, whatever the terminal width
     # (the entrypoint and message columns fold instead).
