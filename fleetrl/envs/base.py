@@ -8,8 +8,6 @@ rollout counts, never into a crash or a hang.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import os
 import threading
@@ -20,6 +18,7 @@ from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
 from fleetrl.rewards.registry import resolve_scorer
+from fleetrl.userfile import UserFileImportError, load_user_file
 
 # Keys of StepResult.info the multi-turn rollout sums into its per-episode metrics.
 INFO_TOOL_CALLS = "tool_calls"
@@ -112,27 +111,14 @@ def _resolve(spec: str) -> Callable[..., Env]:
     return getattr(module, name)
 
 
-_modules: dict[str, ModuleType] = {}
-_modules_lock = threading.Lock()
-
-
 def _load_file(spec: str, path: str) -> ModuleType:
-    path = os.path.abspath(path)
-    if not os.path.isfile(path):
-        raise EnvError(f"environment {spec!r}: file {path} does not exist (relative paths are resolved from "
-                       f"{os.getcwd()})")
-    with _modules_lock:
-        if path not in _modules:
-            unique = "fleetrl_user_env_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-            module_spec = importlib.util.spec_from_file_location(unique, path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            try:
-                module_spec.loader.exec_module(module)
-            except Exception as exc:
-                raise EnvError(f"environment {spec!r}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
-            _modules[path] = module
-        return _modules[path]
+    try:
+        return load_user_file(path, "fleetrl_user_env_")
+    except FileNotFoundError:
+        raise EnvError(f"environment {spec!r}: file {os.path.abspath(path)} does not exist (relative paths are "
+                       f"resolved from {os.getcwd()})") from None
+    except UserFileImportError as e:
+        raise EnvError(f"environment {spec!r}: {e}") from e.cause
 
 
 def _signature(fn: Callable) -> str:

@@ -1,16 +1,14 @@
 """Scorer registry, `path/to/file.py:fn` loading, and routing each sample to a scorer by its data_source."""
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
-import threading
 from types import ModuleType
 from typing import Callable, Iterable
 
 from fleetrl.rewards.code import code_tests
 from fleetrl.rewards.errors import RewardError
 from fleetrl.rewards.scorers import Scorer, exact_match, format_match, gsm8k, math_answer, prefix_match
+from fleetrl.userfile import UserFileImportError, load_user_file
 
 SCORERS: dict[str, Scorer] = {
     "exact_match": exact_match,
@@ -28,8 +26,6 @@ FAMILY_DEFAULTS: tuple[tuple[str, str], ...] = (("gsm8k", "gsm8k"), ("math", "ma
 _SPEC_HELP = (f"a scorer is one of the builtins {sorted(SCORERS)} or 'path/to/file.py:function' "
               "(a function (response, ground_truth, extra_info) -> float)")
 
-_modules: dict[str, ModuleType] = {}
-_modules_lock = threading.Lock()  # runner threads may resolve the same file concurrently
 
 
 def canonical_spec(spec: str) -> str:
@@ -59,24 +55,13 @@ def resolve_scorer(spec: str) -> Scorer:
 
 
 def _load_file(spec: str, path: str) -> ModuleType:
-    path = os.path.abspath(path)
-    if not os.path.isfile(path):
-        raise RewardError(f"reward scorer {spec!r}: file {path} does not exist; fix the path (relative paths are "
-                          f"resolved from {os.getcwd()})")
-    with _modules_lock:
-        if path not in _modules:
-            # A name unique per path: two user files both called reward.py must not replace each other.
-            unique = "fleetrl_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-            module_spec = importlib.util.spec_from_file_location(unique, path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            try:
-                module_spec.loader.exec_module(module)
-            except Exception as exc:
-                raise RewardError(f"reward scorer {spec!r}: importing {path} failed: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-            _modules[path] = module
-        return _modules[path]
+    try:
+        return load_user_file(path, "fleetrl_user_reward_")
+    except FileNotFoundError:
+        raise RewardError(f"reward scorer {spec!r}: file {os.path.abspath(path)} does not exist; fix the path "
+                          f"(relative paths are resolved from {os.getcwd()})") from None
+    except UserFileImportError as e:
+        raise RewardError(f"reward scorer {spec!r}: {e}") from e.cause
 
 
 class RewardRouter:
