@@ -14,6 +14,13 @@ from tests.integration.helpers import train_run
 pytestmark = pytest.mark.slow
 
 
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _kill_worker_when(out, step: int, killed: list) -> None:
     deadline = time.time() + 240
     metrics = out / "metrics.jsonl"
@@ -21,10 +28,12 @@ def _kill_worker_when(out, step: int, killed: list) -> None:
         if metrics.exists():
             steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if "train/" in line]
             if steps and max(steps) >= step:
-                for p in psutil.process_iter(["pid", "cmdline"]):
-                    if "ray::_RayWorker" in " ".join(p.info["cmdline"] or []) and p.info["pid"] != os.getpid():
-                        os.kill(p.info["pid"], signal.SIGKILL)
-                        killed.append(p.info["pid"])
+                # Only this test's own Ray (started by this process): tests running alongside (pytest -n) have
+                # workers of the same name, and killing theirs once failed an unrelated test.
+                for p in psutil.Process().children(recursive=True):
+                    if "ray::_RayWorker" in " ".join(_cmdline(p)):
+                        os.kill(p.pid, signal.SIGKILL)
+                        killed.append(p.pid)
                         return
         time.sleep(0.2)
 
