@@ -6,13 +6,15 @@ from tests.integration.helpers import train_run, val_curve
 
 pytestmark = pytest.mark.slow
 
-COMMON = ("trainer.total_steps=100", "trainer.val_every=25")
+# Budgets from measured curves (val every 10 steps, seed 0, 2026-11-23): the GRPO family passes 0.8 by step 60-80
+# (at 80: grpo 1.0, rloo 0.99, reinforce++ 0.93, gspo 1.0); PPO+GAE by step 110 (0.88 at 120).
+COMMON = ("trainer.total_steps=80", "trainer.val_every=20")
 
 CASES = {
     "grpo": ("examples/quickstart.yaml", COMMON),
     "rloo": ("examples/quickstart.yaml", (*COMMON, "algorithm.advantage=rloo")),
     "reinforce_plus_plus": ("examples/quickstart.yaml", (*COMMON, "algorithm.advantage=reinforce_plus_plus")),
-    "ppo_gae_critic": ("examples/ppo_tiny.yaml", ()),
+    "ppo_gae_critic": ("examples/ppo_tiny.yaml", ("trainer.total_steps=120",)),
     # GSPO with the paper's clip range and aggregation; two mini-batches per step, so the second update is
     # off-policy and the sequence-level ratio and clipping are actually exercised (on-policy the ratio is 1).
     "gspo": ("examples/quickstart.yaml", (*COMMON, "algorithm.policy_loss=gspo", "algorithm.clip_low=0.0003",
