@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -44,6 +44,13 @@ for p in $PARTS; do case $p in
   ltpacked)  # long-tailed lengths, packed + fused
     run e2e1_longtail_packed 250 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
       --lengths longtail --tag _longtail_packed --out "$OUT" algorithm.micro_batch_tokens=16384 actor.fused_logprob_chunk=4096 ;;
+  e2e15)  # the 1.5B shape on 1 GPU, fixed lengths (issue: speed on GPU, item 5)
+    run e2e1_1.5b 300 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/e2e.py --gpus 1 --engine fast --steps 5 --tag _1.5b \
+      --out "$OUT" model.path=random:qwen2.5-1.5b algorithm.micro_batch_size=32 ;;
+  e2e7b)  # the 7B shape on 2 GPUs: FSDP2 actor, colocated rollout, optimiser state offloaded to the host
+    run e2e2_7b 560 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 3 --warmup 1 --tag _7b \
+      --out "$OUT" model.path=random:qwen2.5-7b actor.sharding=fsdp2 actor.offload_optimizer=true \
+      model.gradient_checkpointing=true algorithm.micro_batch_size=8 cluster.init_timeout_s=400 ;;
   trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
 esac; done
 python3 - "$OUT" <<'PY'

@@ -40,9 +40,16 @@ def random_model(spec: str, dtype: torch.dtype, seed: int = 0):
         raise ValueError(f"model.path={spec!r}: unknown shape {name!r}; known: {', '.join(QWEN25)}")
     cfg = Qwen2Config(**QWEN25[name], vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                       max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151645)
+    default = torch.get_default_dtype()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(cfg)
+        # Initialised directly in the target dtype: a 7B shape built in fp32 first would take 30 GB of host
+        # memory per worker and minutes of init before the cast.
+        torch.set_default_dtype(dtype if dtype.is_floating_point else default)
+        try:
+            model = Qwen2ForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(default)
     return model.to(dtype)
 
 
