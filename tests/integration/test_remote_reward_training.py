@@ -1,27 +1,21 @@
 """Training against a remote reward server (`fleetrl serve-reward`): scores come over HTTP; a server that is
 down at start makes training refuse to start, with a message that says how to start one."""
 import socket
-import threading
 
 import pytest
 
 from fleetrl.rewards.remote import RemoteRewardError
-from fleetrl.rewards.server import RewardServer, ServeOptions
 from tests.integration.helpers import train_run
+from tests.rewards.serving import serving
 
 FAST = ("cluster.backend=local", "trainer.total_steps=2", "data.prompts_per_step=8", "data.val=null",
         "trainer.val_every=0", "model.path=tiny:")
 
 
 def test_training_scores_through_a_reward_server(tmp_path):
-    server = RewardServer(ServeOptions(fn="prefix_match", port=0))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(fn="prefix_match") as server:
         metrics = train_run("examples/quickstart.yaml", tmp_path / "run", *FAST,
                             f"rewards.remote_urls=['{server.url}']")
-    finally:
-        server.close()
     steps = [m for m in metrics if "train/reward_mean" in m]
     assert len(steps) == 2 and all(m["train/reward_errors"] == 0 for m in steps)
 

@@ -17,6 +17,7 @@ import requests
 from fleetrl.rewards.errors import ScorerFailureError
 from fleetrl.rewards.remote import RemoteRewardClient, RemoteRewardError, RewardServerLostError
 from fleetrl.rewards.server import RewardServer, ServeOptions
+from tests.rewards.serving import serving
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-token"
@@ -49,16 +50,6 @@ def scorers(tmp_path_factory) -> Path:
     return path
 
 
-@contextmanager
-def serving(fn: str, **kw):
-    server = RewardServer(ServeOptions(fn=fn, port=0, **kw))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.close()
-        thread.join(timeout=10)
 
 
 @contextmanager
@@ -96,7 +87,7 @@ BATCH = dict(responses=["4", " 5 ", "x", "7"], ground_truths=["4", "5", "y", 7],
 
 
 def test_health_and_scoring(scorers):
-    with serving(f"{scorers}:match", token=TOKEN) as server:
+    with serving(fn=f"{scorers}:match", token=TOKEN) as server:
         client = RemoteRewardClient([server.url], token=TOKEN)
         client.check_health()
         # data sources named gsm8k/math still go to the served function, not the builtins.
@@ -105,19 +96,19 @@ def test_health_and_scoring(scorers):
 
 
 def test_scorer_failures_are_counted_not_raised(scorers):
-    with serving(f"{scorers}:broken_on_x", default_score=-1.0) as a:
+    with serving(fn=f"{scorers}:broken_on_x", default_score=-1.0) as a:
         result = RemoteRewardClient([a.url]).score_result(**BATCH)
     assert result.scores == [1.0, 1.0, -1.0, 1.0] and result.num_errors == 1
     assert "cannot score x" in result.errors[0]
 
 
 def test_builtin_scorer_by_name():
-    with serving("exact_match") as server:
+    with serving(fn="exact_match") as server:
         assert RemoteRewardClient([server.url]).score(["a", "b"], ["a", "a"], ["d", "d"], [{}, {}]) == [1.0, 0.0]
 
 
 def test_wrong_or_missing_token_is_rejected(scorers):
-    with serving(f"{scorers}:match", token=TOKEN) as server:
+    with serving(fn=f"{scorers}:match", token=TOKEN) as server:
         raw = requests.post(f"{server.url}/score", json={"responses": []}, timeout=5)
         assert raw.status_code == 401 and raw.headers["WWW-Authenticate"] == "Bearer"
         assert requests.get(f"{server.url}/health", timeout=5).status_code == 401
@@ -135,7 +126,7 @@ def test_non_loopback_bind_needs_a_token(scorers):
 
 
 def test_request_size_limit_and_bad_requests(scorers):
-    with serving(f"{scorers}:match", max_body_bytes=200) as server:
+    with serving(fn=f"{scorers}:match", max_body_bytes=200) as server:
         big = {**BATCH, "responses": ["x" * 300] * 4}
         assert requests.post(f"{server.url}/score", json=big, timeout=5).status_code == 413
         with pytest.raises(RemoteRewardError, match="HTTP 413 .*--max-body-bytes"):
@@ -148,7 +139,7 @@ def test_request_size_limit_and_bad_requests(scorers):
 
 
 def test_slow_server_times_out_retries_then_fails_clearly(scorers):
-    with serving(f"{scorers}:slow", num_workers=1) as server:
+    with serving(fn=f"{scorers}:slow", num_workers=1) as server:
         client = RemoteRewardClient([server.url], timeout_s=0.3, retries=2, backoff_s=0.05)
         start = time.monotonic()
         with pytest.raises(RemoteRewardError) as err:
@@ -169,7 +160,7 @@ def test_server_down_at_start_names_the_url_and_how_to_start_one(scorers):
 
 
 def test_failover_to_a_live_server(scorers):
-    with serving(f"{scorers}:match") as server:
+    with serving(fn=f"{scorers}:match") as server:
         client = RemoteRewardClient([_closed_port_url(), server.url], timeout_s=2, retries=1, backoff_s=0.01)
         for _ in range(2):  # whichever server a sub-batch starts on, it ends on the live one, in order
             assert client.score(**BATCH) == [1.0, 1.0, 0.0, 1.0]
@@ -178,7 +169,7 @@ def test_failover_to_a_live_server(scorers):
 
 
 def test_servers_share_the_load_round_robin(scorers):
-    with serving(f"{scorers}:one") as a, serving(f"{scorers}:two") as b:
+    with serving(fn=f"{scorers}:one") as a, serving(fn=f"{scorers}:two") as b:
         client = RemoteRewardClient([a.url, b.url])
         assert client.score(**BATCH) == [1.0, 1.0, 2.0, 2.0]
         assert client.score(**BATCH) == [2.0, 2.0, 1.0, 1.0]  # next call starts on the next server
@@ -248,7 +239,7 @@ def test_hung_score_is_retried_within_a_bounded_time_then_recoverable():
 
 def test_remote_failure_rate_names_the_server(scorers):
     # broken_on_x fails 2 of the 3 samples it got (> 0.5 × 3): the client stops the run naming that server.
-    with serving(f"{scorers}:broken_on_x") as server:
+    with serving(fn=f"{scorers}:broken_on_x") as server:
         client = RemoteRewardClient([server.url], max_failure_rate=0.5)
         with pytest.raises(ScorerFailureError, match=rf"{server.url} \(.*broken_on_x\)' \(data_source d\) failed "
                                                      r"on 2 of 3 samples.*First failure: .*cannot score x"):
@@ -269,6 +260,6 @@ def test_frozen_server_is_given_up_on_by_health_probes_not_the_scoring_timeout()
 
 def test_slow_scorer_on_a_live_server_keeps_its_full_timeout(scorers):
     # "slow" takes 1 s per sample; probes every 0.2 s get answers (the server is alive), so the attempt is not cut.
-    with serving(f"{scorers}:slow") as server:
+    with serving(fn=f"{scorers}:slow") as server:
         client = RemoteRewardClient([server.url], timeout_s=5, retries=0, connect_timeout_s=0.2)
         assert client.score(["a"], ["a"], ["d"], [{}]) == [1.0]

@@ -1,6 +1,4 @@
 """`fleetrl serve-reward --model`: a reward model behind the same HTTP API, reached by the trainer's client."""
-import threading
-from contextlib import contextmanager
 
 import pytest
 import requests
@@ -10,22 +8,13 @@ from fleetrl.config.reward_model import RewardModelConfig
 from fleetrl.rewards.model import build_scorer
 from fleetrl.rewards.remote import RemoteRewardClient
 from fleetrl.rewards.server import RewardServer, ServeOptions
+from tests.rewards.serving import serving
 
 RM = RewardModelConfig(path="tiny:seed=3", max_length=32)
 PROMPTS = [[{"role": "user", "content": "copy a b 7 ="}], "copy c d 2 ="]
 RESPONSES = ["7", "5 a"]
 
 
-@contextmanager
-def serving(**kw):
-    server = RewardServer(ServeOptions(port=0, **kw))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.close()
-        thread.join(timeout=10)
 
 
 def test_served_model_scores_like_the_local_one():

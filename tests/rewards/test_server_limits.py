@@ -5,27 +5,22 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import pytest
 import requests
 
-from fleetrl.rewards.server import RewardServer, ServeOptions, resolve_token
+from fleetrl.rewards.server import resolve_token
+from tests.rewards.serving import serving
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-@contextmanager
-def serving(**kw):
-    server = RewardServer(ServeOptions(fn="exact_match", port=0, token=TOKEN, **kw))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.close()
-        thread.join(timeout=10)
+def serving_auth(**kw):
+    return serving(fn="exact_match", token=TOKEN, **kw)
+
+
 
 
 def _connect(url: str, send: bytes, stack: ExitStack) -> socket.socket:
@@ -39,7 +34,7 @@ def _connect(url: str, send: bytes, stack: ExitStack) -> socket.socket:
 def test_300_stalled_connections_hold_no_threads_and_health_still_answers():
     # 150 connections that sent part of a request head, 150 that sent nothing. read_timeout_s is long (60 s), so
     # none of them is dropped during the test: /health answers because stalled heads never get a thread at all.
-    with serving(max_connections=8, read_timeout_s=60) as server, ExitStack() as stack:
+    with serving_auth(max_connections=8, read_timeout_s=60) as server, ExitStack() as stack:
         time.sleep(0.2)
         threads_before = threading.active_count()
         for i in range(300):
@@ -60,7 +55,7 @@ def test_full_handler_slots_answer_503_at_once_and_free_after_the_read_timeout()
     # after read_timeout_s = 1 s the stalled body reads give up and the slots are free again.
     stalled_body = b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + \
         b"\r\nContent-Length: 100\r\n\r\n{"
-    with serving(max_connections=4, read_timeout_s=1.0) as server, ExitStack() as stack:
+    with serving_auth(max_connections=4, read_timeout_s=1.0) as server, ExitStack() as stack:
         for _ in range(4):
             _connect(server.url, stalled_body, stack)
         time.sleep(0.3)
@@ -72,7 +67,7 @@ def test_full_handler_slots_answer_503_at_once_and_free_after_the_read_timeout()
 
 
 def test_connections_beyond_max_pending_are_closed_at_accept():
-    with serving(max_pending=5, read_timeout_s=60) as server, ExitStack() as stack:
+    with serving_auth(max_pending=5, read_timeout_s=60) as server, ExitStack() as stack:
         conns = [_connect(server.url, b"", stack) for _ in range(8)]
         time.sleep(0.3)
         closed = 0
