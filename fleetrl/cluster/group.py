@@ -20,7 +20,10 @@ from fleetrl.cluster.placement import bundle_nodes, create_pool_group
 from fleetrl.cluster.watchdog import Call, Deadlines, watch
 from fleetrl.config.plan import Plan
 from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.messages import GenerateRequest
 from fleetrl.workers.worker import Worker
+
+SERIAL = "serial"  # the rollout's concurrency group in async mode: one call at a time on the engine
 
 
 class WorkerLostError(RuntimeError):
@@ -32,6 +35,33 @@ class _RayWorker(Worker):
         os.environ["FLEETRL_NODE_IP"] = ray.util.get_node_ip_address()
         os.environ["FLEETRL_NODE_ID"] = ray.get_runtime_context().get_node_id()
         super().__init__(ctx)
+        self._last_end: float | None = None  # end of this worker's previous async generate call
+
+    # -------------------------------------------- async weight path (trainer.mode=async), through the object store
+    def put_weights(self) -> list[Any]:
+        """Actor rank 0: [ObjectRef] of the published weights, owned by this process; other ranks: [] (they only
+        join the gather). The list keeps Ray from resolving the ref where it is passed on."""
+        named = self.export_weights()
+        return [] if named is None else [ray.put(named)]
+
+    def load_published(self, weights: list[Any], version: int) -> int:
+        """Installs the published weights unless this engine already holds `version` (or newer)."""
+        if weights and self.weights_version() < version:
+            self.install_weights(ray.get(weights[0]), version)
+        return self.weights_version()
+
+    def generate_at(self, weights: list[Any], version: int, batch: Batch, req: GenerateRequest) -> Batch:
+        """One async generate call, preceded by the load of the weights it is tagged with. The load rides in the
+        call because Ray runs a concurrency group's calls one at a time but not in submission order (a call
+        whose arguments arrive first runs first), so a separate load call could land after the generation."""
+        start = time.perf_counter()
+        try:
+            self.load_published(weights, version)
+            out = self.generate(batch, req)
+        finally:
+            gap, self._last_end = (0.0 if self._last_end is None else start - self._last_end), time.perf_counter()
+        out.meta["rollout_idle_s"] = gap  # how long this worker sat without work before the call (docs/async.md)
+        return out
 
 
 class WorkerGroup:
@@ -47,6 +77,9 @@ class WorkerGroup:
         self.step = 0  # set by the controller each step: stall reports and dumps name it
         self.run_dir = run_dir
         self.deadlines = Deadlines(plan.config.cluster)
+        # Async rollout pool: every call runs in a one-thread concurrency group, so calls queued behind a running
+        # generation wait for it instead of entering the engine beside it; `progress` pings keep their free slot.
+        self.serial = plan.pipeline is not None and "rollout" in self.pool.roles and backend == "ray"
         self.infos: list[dict] = [{} for _ in range(self.world_size)]
         timeout = plan.config.cluster.init_timeout_s
         if backend == "local":
@@ -67,7 +100,7 @@ class WorkerGroup:
         self.node_ids = bundle_nodes(self.pg)
         bundle = self.pool.bundle
         custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-        cls = ray.remote(_RayWorker)
+        cls = ray.remote(concurrency_groups={SERIAL: 1})(_RayWorker) if self.serial else ray.remote(_RayWorker)
         workers = []
         for rank in range(self.world_size):
             node_index = rank // self.pool.bundles_per_node
@@ -128,9 +161,17 @@ class WorkerGroup:
         parts, index = batch.split_balanced(self.world_size)
         return Batch.gather(self.call_parts(method, parts, *args, timeout=timeout), index)
 
+    def submit(self, rank: int, method: Callable, *args: Any) -> Any:
+        """Starts `method(*args)` on one rank and returns its ref ((result, seconds) when done) without waiting:
+        the async pipeline collects these through cluster/stream.py, under the watchdog."""
+        assert self.backend == "ray", "submit is for Ray workers"
+        return self._invoke(self.workers[rank], method, *args)
+
     def _invoke(self, worker: Any, method: Callable, *args: Any) -> Any:
         if self.backend == "local":
             return worker.timed(method.__name__, *args)
+        if self.serial:
+            return worker.timed.options(concurrency_group=SERIAL).remote(method.__name__, *args)
         return worker.timed.remote(method.__name__, *args)
 
     def _get(self, refs: list[Any], timeout: float) -> list[Any]:

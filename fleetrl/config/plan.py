@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, Mapping
 
 from fleetrl.algo.advantages import is_outcome_estimator
+from fleetrl.config.async_plan import AsyncPlan, derive_async
 from fleetrl.config.frozen import FrozenDict
 from fleetrl.config.load import ConfigError
 from fleetrl.config.schema import PoolConfig, RunConfig
@@ -97,6 +98,8 @@ class Plan:
     ref_from_actor: bool = False
     """actor.lora is set and the ref shares the actor's pool: the reference log-probs come from the actor's own
     model with its adapters switched off (peft's disable_adapter), which IS the base model: no second copy."""
+    pipeline: AsyncPlan | None = None
+    """trainer.mode=async: the overlap window (config/async_plan.py); None = synchronous steps."""
 
     def pool_of(self, role: str) -> PoolPlan:
         return self.pools[self.roles[role]]
@@ -144,6 +147,9 @@ class Plan:
             "rollout_engine": {"max_batch": self.rollout.max_batch, "max_seq_len": self.rollout.max_seq_len},
             "val_batch_prompts": self.val_batch_prompts,
             "action_mask": self.action_mask,
+            "pipeline": None if self.pipeline is None else {
+                "max_staleness": self.pipeline.max_staleness, "stale": self.pipeline.stale,
+                "chunk_groups": self.pipeline.chunk_groups, "window_groups": self.pipeline.window_groups},
         }
 
 
@@ -177,6 +183,10 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     actor_steps = (total - (cfg.critic.warmup_steps if use_critic else 0)) * n_mini * epochs
     on_policy = n_mini == 1 and epochs == 1
     correction = cfg.algorithm.rollout_correction.mode != "none"
+    pipeline = derive_async(cfg, roles, world["rollout"])
+    # Samples older than the policy being trained: the PPO ratio needs that policy's own log-probs, recomputed
+    # (decoupled PPO, AReaL: proximal = recomputed, behaviour = the rollout's, weighted by the rollout correction).
+    stale = pipeline is not None and pipeline.max_staleness > 0
     val_prompts = max(world["rollout"], cfg.data.prompts_per_step)
     return Plan(config=cfg, pools=FrozenDict(pools), roles=FrozenDict(roles), world=FrozenDict(world),
                 use_critic=use_critic, use_ref=use_ref, rollout_colocated=roles["rollout"] == roles["actor"],
@@ -186,8 +196,9 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 critic_optimizer_steps=total * n_mini * epochs,
                 kl_into_score=cfg.algorithm.kl.placement == "reward" and is_outcome_estimator(cfg.algorithm.advantage),
                 rollout_correction=correction,
-                recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy or correction,
-                rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts), val_batch_prompts=val_prompts,
+                recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy or correction or stale,
+                rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts, pipeline),
+                val_batch_prompts=val_prompts, pipeline=pipeline,
                 action_mask="loss_mask" if cfg.rollout.env else "response_mask",
                 ref_from_actor=use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"])
 
@@ -206,9 +217,12 @@ def _total_steps(cfg: RunConfig, train_prompts: int | None) -> int:
     return per_epoch * t.total_epochs
 
 
-def _engine_sizes(cfg: RunConfig, world: int, samples: int, val_prompts: int) -> EngineSizes:
+def _engine_sizes(cfg: RunConfig, world: int, samples: int, val_prompts: int,
+                  pipeline: AsyncPlan | None) -> EngineSizes:
     val_samples = val_prompts * cfg.rollout.val_n
     per_worker = max(samples // world, -(-val_samples // world))
+    if pipeline is not None:  # one async generate call carries chunk_groups whole groups on one worker
+        per_worker = max(per_worker, pipeline.chunk_groups * cfg.rollout.n)
     return EngineSizes(max_batch=per_worker, max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_tokens)
 
 

@@ -306,6 +306,19 @@ class TrainerConfig:
     Kubernetes send before preemption), on SIGINT too, or never."""
     on_nonfinite: Literal["skip", "abort"] = "skip"
     """What a NaN/inf loss or gradient does to the update."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: generate, then train, then sync weights, one step at a time. async (docs/async.md): generation of the
+    next max_staleness steps runs on a separate rollout pool while the actor trains (trainer/pipeline.py)."""
+    max_staleness: int = 1
+    """async: a sample is trained on at most this many weight versions after the one that generated it
+    (0 = exactly the synchronous schedule). Correct for it with algorithm.rollout_correction (e.g. tis)."""
+    stale: Literal["hold", "drop"] = "hold"
+    """async: hold = a step takes generations oldest first, so none ever exceeds max_staleness and none is
+    wasted; drop = a step takes generations as they finish (a slow one never holds the trainer), and one that
+    finishes more than max_staleness versions behind is dropped, counted and replaced."""
+    chunk_groups: int | None = None
+    """async: prompt groups per generate call (one call = one rollout worker); results stream back and are
+    scored call by call. Must divide data.prompts_per_step. None: the step's prompts split over the workers."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,6 +63,7 @@ class Trainer:
             self.rm = ModelRewards(self.cfg)
         self.groups: dict[str, WorkerGroup] = {}
         self.timings: dict[str, float] = {}
+        self.pipeline = None  # trainer.mode=async: trainer/pipeline.py, built with the groups
 
     @property
     def step(self) -> int:
@@ -70,7 +71,8 @@ class Trainer:
 
     def state(self) -> dict:
         """What the controller checkpoints (each part saves itself: state_dict / load_state_dict)."""
-        return {"progress": self.progress, "sampler": self.train_feed.sampler, "kl_ctl": self.kl_ctl,
+        sampler = self.train_feed.sampler if self.pipeline is None else self.pipeline.sampler_state()
+        return {"progress": self.progress, "sampler": sampler, "kl_ctl": self.kl_ctl,
                 "rng": RNGState(), **(self.rm.state() if self.rm is not None else {})}
 
     # ------------------------------------------------------------------------------------------ loop
@@ -96,8 +98,7 @@ class Trainer:
             self.check_finite(metrics)
             self.sync()
             self.progress.step += 1
-            metrics.update(rollout_metrics(batch, self.timings, time.perf_counter() - t0, self.plan.recompute_logprobs,
-                                           self.plan.action_mask))
+            metrics.update(self._step_metrics(batch, time.perf_counter() - t0))
             metrics["train/kl_coef"] = self.kl_ctl.coef
             metrics["train/time/worker_call_overhead"] = self._ray_overhead()
             self.checkpoint()
@@ -114,7 +115,10 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- phases
     def rollouts(self) -> Batch:
         """generate + score for one step's prompts; with dynamic sampling, more rounds until every group is
-        informative (trainer/dynamic.py)."""
+        informative (trainer/dynamic.py). Async: taken from the generation already running (trainer/pipeline.py)."""
+        if self.pipeline is not None:
+            with self._timed("rollout_wait"):
+                return self.pipeline.next_batch(self.progress.weights_version)
         fresh = lambda: self.score(self.generate(self.train_feed.next_batch(self.cfg.data.prompts_per_step)))  # noqa: E731
         ds = self.cfg.algorithm.dynamic_sampling
         if not ds.enabled:
@@ -231,7 +235,9 @@ class Trainer:
         """Colocated: the engine already reads the actor's parameters, only the version moves. Separate pool:
         a bucketed broadcast that carries the version."""
         version = self.progress.weights_version
-        if self.plan.rollout_colocated:
+        if self.pipeline is not None:  # object store; the engines install it before their next generation
+            self.pipeline.publish(version)
+        elif self.plan.rollout_colocated:
             self.group("rollout").call_all(Worker.mark_weights_version, version)
         else:
             from fleetrl.cluster.weight_sync import broadcast_weights
@@ -295,6 +301,8 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         with self._timed("validate"):
+            if self.pipeline is not None:
+                self.pipeline.load_engines()
             return validate(self.group("rollout"), self.val_feed, self.scorer, self.plan,
                             self.progress.weights_version)
 
@@ -305,6 +313,19 @@ class Trainer:
         from fleetrl.cluster.build import build_groups
 
         self.groups = build_groups(self.plan, self.out_dir)
+        if self.plan.pipeline is not None:
+            from fleetrl.trainer.pipeline import AsyncRollouts
+
+            self.pipeline = AsyncRollouts(self.plan, self.group("rollout"), self.group("actor"), self.train_feed,
+                                          self.score)
+
+    def _step_metrics(self, batch: Batch, step_s: float) -> dict[str, float]:
+        m = rollout_metrics(batch, self.timings, step_s, self.plan.recompute_logprobs, self.plan.action_mask)
+        if self.pipeline is not None:
+            # the version this step trained is the one before its sync
+            m.update({f"train/{k}": v for k, v in
+                      self.pipeline.metrics(batch, self.progress.weights_version - 1, step_s).items()})
+        return m
 
     def _ray_overhead(self) -> float:
         return sum(g.take_overhead() for g in self.groups.values())

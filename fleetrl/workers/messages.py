@@ -21,6 +21,9 @@ class GenerateRequest:
     temperature: float
     min_weights_version: int
     """The engine refuses to generate with older weights (a weight sync that did not arrive)."""
+    seed_slot: int | None = None
+    """Which seed of the step this call draws: None = the worker's rank (one call per worker); the async pipeline
+    numbers its generate calls within a step (trainer/pipeline.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -72,14 +72,19 @@ class RolloutComponent:
         r = self.ctx.cfg.rollout
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=req.temperature, top_p=r.top_p,
                                 top_k=r.top_k, stop_token_ids=r.stop_token_ids, stop_strings=r.stop,
-                                seed=self.ctx.plan.seed(req.purpose, req.step, self.ctx.rank))
+                                seed=self.ctx.plan.seed(req.purpose, req.step,
+                                                        self.ctx.rank if req.seed_slot is None else req.seed_slot))
         with unsharded(self.model):
             if self.episodes is not None:
-                return self.episodes.play(self.engine, self.tokenizer, batch, params)
-            out = self.engine.generate(batch["prompts"], batch["prompt_mask"], params)
-        return Batch({"responses": out.responses.cpu(), "response_mask": out.response_mask.long().cpu(),
-                      "rollout_logprobs": out.logprobs.float().cpu()},
-                     {"finish_reason": list(out.finish_reasons)})
+                out = self.episodes.play(self.engine, self.tokenizer, batch, params)
+            else:
+                gen = self.engine.generate(batch["prompts"], batch["prompt_mask"], params)
+                out = Batch({"responses": gen.responses.cpu(), "response_mask": gen.response_mask.long().cpu(),
+                             "rollout_logprobs": gen.logprobs.float().cpu()},
+                            {"finish_reason": list(gen.finish_reasons)})
+        # The version that actually generated each sample: what staleness is measured from (docs/async.md).
+        out.tensors["weights_version"] = torch.full((len(out),), self.engine.weights_version, dtype=torch.long)
+        return out
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.engine.load_weights(state, version)

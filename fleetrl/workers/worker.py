@@ -147,13 +147,24 @@ class Worker:
         from fleetrl.workers.weight_bus import receive, receive_layout
 
         heartbeat.maybe_freeze("bus_receive")
-        rollout = self._need("rollout")
-        own, partial = receive_layout(rollout.engine_model(), self.ctx.cfg.actor.lora)
-        received = receive(self.bus, own, bucket_bytes)
-        if partial:  # only the adapted projections travelled; engines take whole state dicts, so the rest is
-            received = {**rollout.engine_model().state_dict(), **received}  # the engine's own (copied onto itself)
-        rollout.load_weights(received, version)
+        own, partial = receive_layout(self._need("rollout").engine_model(), self.ctx.cfg.actor.lora)
+        self.install_weights(receive(self.bus, own, bucket_bytes), version)
         return version
+
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """Async weight path: what `bus_send` would send, as CPU tensors on actor rank 0 (None on the others).
+        Every rank runs it: sharded parameters are gathered collectively."""
+        from fleetrl.workers.weight_bus import sync_state
+
+        named = sync_state(self._need("actor").model, self.ctx.cfg.actor.lora)
+        return {n: t.detach().cpu().clone() for n, t in named} if self.ctx.rank == 0 else None
+
+    def install_weights(self, received: dict[str, torch.Tensor], version: int) -> None:
+        """Loads `sync_state`'s tensors (from the bus or the object store) into the rollout engine."""
+        rollout = self._need("rollout")
+        if self.ctx.cfg.actor.lora is not None:  # only the adapted projections travelled; engines take whole state
+            received = {**rollout.engine_model().state_dict(), **received}  # dicts: the rest is the engine's own
+        rollout.load_weights(received, version)
 
     def weights_version(self) -> int:
         return self._need("rollout").engine.weights_version

@@ -1,0 +1,69 @@
+"""The asynchronous pipeline's part of the Plan (trainer.mode=async): checked and derived here, once, so the
+controller (trainer/pipeline.py) only reads numbers. Called by `config/plan.py:derive_plan`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+from fleetrl.config.load import ConfigError
+from fleetrl.config.schema import RunConfig
+
+_SPLIT_EXAMPLE = ("cluster.pools={train: {workers_per_node: 1, gpus_per_worker: 1}, gen: {workers_per_node: 1, "
+                  "gpus_per_worker: 1}} cluster.roles={actor: train, rollout: gen}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncPlan:
+    """How far generation runs ahead of training, and in what pieces."""
+    max_staleness: int
+    """k: step s trains the policy of version s-1 on samples of version >= s-1-k."""
+    stale: Literal["hold", "drop"]
+    groups_per_step: int
+    """P = data.prompts_per_step: whole GRPO groups one step trains on."""
+    chunk_groups: int
+    """G: groups per generate call (one call runs on one rollout worker); divides P."""
+    window_groups: int
+    """(k+1)·P: groups submitted but not yet consumed (trained on or dropped) at most. Generation submitted at
+    version v is then among the first consumed by step v+k+1, which bounds staleness by k (trainer/schedule.py)."""
+    max_chunks_per_step: int
+    """Chunks one step may consume: P/G, times algorithm.dynamic_sampling.max_rounds when it is on."""
+
+    @property
+    def chunks_per_step(self) -> int:
+        return self.groups_per_step // self.chunk_groups
+
+
+def derive_async(cfg: RunConfig, roles: Mapping[str, str], rollout_world: int) -> AsyncPlan | None:
+    """None in synchronous mode; ConfigError naming the key and the fix when async cannot run this config."""
+    t = cfg.trainer
+    if t.mode == "sync":
+        return None
+    if roles["rollout"] == roles["actor"]:
+        raise ConfigError(f"trainer.mode=async overlaps generation with training, so the rollout role needs its own "
+                          f"pool; cluster.roles puts rollout and actor both in pool '{roles['actor']}'. Give the "
+                          f"rollout a pool of its own, e.g. {_SPLIT_EXAMPLE}, or set trainer.mode=sync")
+    if cfg.cluster.backend != "ray":
+        raise ConfigError("trainer.mode=async runs the rollout pool as Ray workers beside the trainer; "
+                          "cluster.backend=local holds every worker in the driver process. Set cluster.backend=ray "
+                          "or trainer.mode=sync")
+    if t.max_staleness < 0:
+        raise ConfigError(f"trainer.max_staleness must be >= 0 weight versions (0 = the synchronous schedule, "
+                          f"1 = one step of overlap), got {t.max_staleness}")
+    prompts = cfg.data.prompts_per_step
+    chunk = t.chunk_groups if t.chunk_groups is not None else _default_chunk(prompts, rollout_world)
+    if chunk < 1 or prompts % chunk:
+        divisors = ", ".join(str(d) for d in range(1, prompts + 1) if prompts % d == 0)
+        raise ConfigError(f"trainer.chunk_groups={chunk} must divide data.prompts_per_step={prompts} so every "
+                          f"step is whole generate calls of whole groups; choose one of {divisors}")
+    ds = cfg.algorithm.dynamic_sampling
+    per_step = prompts // chunk
+    return AsyncPlan(max_staleness=t.max_staleness, stale=t.stale, groups_per_step=prompts, chunk_groups=chunk,
+                     window_groups=(t.max_staleness + 1) * prompts,
+                     max_chunks_per_step=per_step * (ds.max_rounds if ds.enabled else 1))
+
+
+def _default_chunk(prompts: int, world: int) -> int:
+    """The largest divisor of P that is at most ceil(P / world): one call per rollout worker per step when P
+    splits evenly (with one rollout worker, the whole step in one call, exactly as synchronous mode)."""
+    target = -(-prompts // world)
+    return max(d for d in range(1, target + 1) if prompts % d == 0)

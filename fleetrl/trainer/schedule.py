@@ -1,0 +1,95 @@
+"""The async pipeline's bookkeeping, pure (no Ray, no tensors): which generate calls ("chunks") may start, which
+one a step takes next, and whether a finished one is fresh enough to train on.
+
+Versions: the rollout's weights start at version 0 and every step's sync publishes one more, so step s (1-based)
+trains the policy of version s-1, and a sample generated at version v has staleness (s-1) - v.
+
+Why staleness never exceeds k = max_staleness under `hold`: chunks are submitted only right after a publish, while
+at most (k+1)·P groups (P = groups per step) are outstanding (submitted, neither trained on nor dropped). A chunk
+submitted at version v therefore has at most (k+1)·P groups before it, itself included, that no step has taken
+yet; steps v+1 .. v+k+1 take at least P groups each, oldest first, so it is taken by step v+k+1 at the latest:
+staleness <= (v+k) - v = k. With k = 0 this is exactly the synchronous schedule: one step's generation, at the
+version the step trains.
+
+`drop` takes chunks in the order they finish instead, so a slow generation never holds the trainer; one that
+finishes after its version fell more than k behind is dropped (counted), and its room in the window refilled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from fleetrl.config.async_plan import AsyncPlan
+
+
+@dataclass(frozen=True)
+class Chunk:
+    seq: int
+    """Submission order, from 0 over the run (or since the resume)."""
+    version: int
+    """The weights version the chunk is tagged with: its call installs that version first when the engine holds
+    an older one, so the version it records is this or newer."""
+    groups: int
+
+
+class Window:
+    def __init__(self, plan: AsyncPlan) -> None:
+        self.plan = plan
+        self.outstanding: dict[int, Chunk] = {}  # seq -> chunk, submitted and not yet taken (insertion = seq order)
+        self.next_seq = 0
+        self.dropped_groups = 0
+
+    @property
+    def open_groups(self) -> int:
+        return sum(c.groups for c in self.outstanding.values())
+
+    def fill(self, version: int) -> list[Chunk]:
+        """The chunks to submit now, right after version `version` was published: up to the window."""
+        new = []
+        while self.open_groups + self.plan.chunk_groups <= self.plan.window_groups:
+            new.append(self._add(version))
+        return new
+
+    def refill(self, version: int) -> Chunk | None:
+        """One more chunk for a step that is still short (dynamic sampling) when nothing is outstanding. One at a
+        time: a chunk the step then does not need would be taken by the next step, one version staler."""
+        return None if self.outstanding else self._add(version)
+
+    def _add(self, version: int) -> Chunk:
+        chunk = Chunk(seq=self.next_seq, version=version, groups=self.plan.chunk_groups)
+        self.outstanding[chunk.seq] = chunk
+        self.next_seq += 1
+        return chunk
+
+    def pick(self, finished: Sequence[int]) -> Chunk | None:
+        """The chunk the step takes next, given the seqs of outstanding chunks whose results are in (in the order
+        they finished); None = wait for more. hold: the oldest outstanding, once finished; drop: the first done."""
+        if not finished:
+            return None
+        if self.plan.stale == "drop":
+            return self.outstanding[finished[0]]
+        head = next(iter(self.outstanding))
+        return self.outstanding[head] if head in finished else None
+
+    def take(self, chunk: Chunk, recorded_version: int, trained_version: int) -> bool:
+        """Removes the chunk from the window; True = train on it, False = dropped as too stale (drop only)."""
+        del self.outstanding[chunk.seq]
+        if trained_version - recorded_version <= self.plan.max_staleness:
+            return True
+        # Under hold the invariant in the module docstring makes this unreachable; if it is reached the
+        # bookkeeping is wrong, and training on the sample would break the promised bound.
+        assert self.plan.stale == "drop", (f"chunk {chunk.seq} of version {recorded_version} reached step training "
+                                           f"version {trained_version}: staleness above max_staleness="
+                                           f"{self.plan.max_staleness} under stale=hold")
+        self.dropped_groups += chunk.groups
+        return False
+
+    def oldest(self) -> Chunk | None:
+        return next(iter(self.outstanding.values()), None)
+
+
+def staleness_bound_holds(trained_versions: Sequence[int], sample_versions: Sequence[Sequence[int]],
+                          max_staleness: int) -> bool:
+    """The promise, on recorded versions: for every step, every sample's version v has 0 <= trained - v <= k."""
+    return all(0 <= t - v <= max_staleness for t, vs in zip(trained_versions, sample_versions, strict=True)
+               for v in vs)
