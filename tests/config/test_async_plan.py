@@ -1,0 +1,69 @@
+"""trainer.mode=async: what the Plan derives (config/async_plan.py) and the errors that name the key and the fix."""
+from __future__ import annotations
+
+import pytest
+
+from fleetrl.config import derive_plan, load_config
+from fleetrl.config.load import ConfigError
+from fleetrl.config.plan import Plan
+
+SPLIT = ("cluster.pools={train: {cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5, workers_per_node: 2}}",
+         "cluster.roles={actor: train, rollout: gen}")
+
+
+def _plan(*overrides: str) -> Plan:
+    return derive_plan(load_config(None, ["algorithm.micro_batch_size=1", "data.prompts_per_step=6", "rollout.n=2",
+                                          *overrides]))
+
+
+def test_sync_has_no_pipeline():
+    assert _plan(*SPLIT).pipeline is None
+
+
+def test_async_numbers():
+    p = _plan(*SPLIT, "trainer.mode=async", "trainer.max_staleness=2")
+    # 6 prompts over 2 rollout workers: chunks of ceil(6/2) = 3 groups, 2 per step; window (2+1)·6 = 18 groups.
+    assert (p.pipeline.chunk_groups, p.pipeline.chunks_per_step, p.pipeline.window_groups) == (3, 2, 18)
+    assert p.pipeline.max_chunks_per_step == 2
+    # staleness > 0: the old log-probs are recomputed by the actor (decoupled PPO), although the update is
+    # otherwise on-policy (1 mini-batch, 1 epoch)
+    assert p.recompute_logprobs
+    assert p.summary()["pipeline"] == {"max_staleness": 2, "stale": "hold", "chunk_groups": 3, "window_groups": 18}
+
+
+def test_staleness_zero_keeps_the_synchronous_decisions():
+    p = _plan(*SPLIT, "trainer.mode=async", "trainer.max_staleness=0")
+    assert not p.recompute_logprobs  # as in sync mode: on-policy, nothing stale
+    assert p.pipeline.window_groups == 6
+
+
+def test_chunks_and_dynamic_sampling_rounds():
+    # 6 prompts in chunks of 2 = 3 chunks per step; 4 rounds of dynamic sampling: at most 3·4 = 12 chunks a step.
+    p = _plan(*SPLIT, "trainer.mode=async", "trainer.chunk_groups=2", "algorithm.dynamic_sampling.enabled=true",
+              "algorithm.dynamic_sampling.max_rounds=4")
+    assert p.pipeline.max_chunks_per_step == 12
+    # a generate call carries 2 groups × 2 samples = 4; the step's 12 samples / 2 workers = 6 is larger
+    assert p.rollout.max_batch == 6
+
+
+def test_colocated_rollout_names_the_roles_and_the_fix():
+    with pytest.raises(ConfigError, match=r"trainer.mode=async .* rollout role needs its own pool; cluster.roles "
+                                          r"puts rollout and actor both in pool 'main'.*cluster.roles=\{actor: train, "
+                                          r"rollout: gen\}"):
+        _plan("trainer.mode=async")
+
+
+def test_local_backend_is_refused():
+    with pytest.raises(ConfigError, match="trainer.mode=async .* Set cluster.backend=ray"):
+        _plan(*SPLIT[:1], "cluster.pools.gen.workers_per_node=1", SPLIT[1], "cluster.backend=local",
+              "trainer.mode=async")
+
+
+@pytest.mark.parametrize("override, match", [
+    ("trainer.max_staleness=-1", r"trainer.max_staleness must be >= 0 .* got -1"),
+    ("trainer.chunk_groups=4", r"trainer.chunk_groups=4 must divide data.prompts_per_step=6 .* one of 1, 2, 3, 6"),
+    ("trainer.stale=wait", r"trainer.stale: unknown value 'wait' .*hold, drop"),
+])
+def test_bad_values_name_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        _plan(*SPLIT, "trainer.mode=async", override)
