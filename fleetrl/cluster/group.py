@@ -24,6 +24,8 @@ from fleetrl.workers.messages import GenerateRequest
 from fleetrl.workers.worker import Worker
 
 SERIAL = "serial"  # the rollout's concurrency group in async mode: one call at a time on the engine
+# The verbs that use the rollout engine; the others (node_info, save_state, ...) must not queue behind generation.
+ENGINE_VERBS = frozenset({"generate", "generate_at", "load_published", "weights_version", "bus_receive"})
 
 
 class WorkerLostError(RuntimeError):
@@ -77,8 +79,9 @@ class WorkerGroup:
         self.step = 0  # set by the controller each step: stall reports and dumps name it
         self.run_dir = run_dir
         self.deadlines = Deadlines(plan.config.cluster)
-        # Async rollout pool: every call runs in a one-thread concurrency group, so calls queued behind a running
-        # generation wait for it instead of entering the engine beside it; `progress` pings keep their free slot.
+        # Async rollout pool: calls on the engine run in a one-thread concurrency group, so one queued behind a
+        # running generation waits for it instead of entering the engine beside it; `progress` pings and the
+        # other verbs keep the default group.
         self.serial = plan.pipeline is not None and "rollout" in self.pool.roles and backend == "ray"
         self.infos: list[dict] = [{} for _ in range(self.world_size)]
         timeout = plan.config.cluster.init_timeout_s
@@ -170,7 +173,7 @@ class WorkerGroup:
     def _invoke(self, worker: Any, method: Callable, *args: Any) -> Any:
         if self.backend == "local":
             return worker.timed(method.__name__, *args)
-        if self.serial:
+        if self.serial and method.__name__ in ENGINE_VERBS:
             return worker.timed.options(concurrency_group=SERIAL).remote(method.__name__, *args)
         return worker.timed.remote(method.__name__, *args)
 

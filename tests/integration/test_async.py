@@ -80,18 +80,32 @@ def test_no_sample_beyond_the_bound_is_trained_on(tmp_path, ray_local):
 
 @pytest.mark.slow
 def test_frozen_rollout_worker_is_a_stall_and_recovers(tmp_path, ray_local):
+    # The 3rd generate call (submitted after step 1's sync, taken by step 3) SIGSTOPs the rollout worker: the
+    # pipeline's wait names it within cluster.stall_s, and the supervisor rebuilds and reruns from the start.
     out = tmp_path / "run"
-    fault = f"generate_at:4:{tmp_path / 'fired'}"
+    fault = f"generate_at:3:{tmp_path / 'fired'}"
     records = train_run("examples/quickstart.yaml", out, *SHORT, *SPLIT, "trainer.mode=async",
-                        "trainer.max_staleness=1", "trainer.total_steps=5", "trainer.save_every=2",
-                        "cluster.stall_s=4", "trainer.restart_wait_s=30", "trainer.max_restarts=1",
+                        "trainer.max_staleness=1", "trainer.total_steps=4", "cluster.stall_s=4",
+                        "trainer.restart_wait_s=30", "trainer.max_restarts=1",
                         f"cluster.env={{FLEETRL_FAULT_STOP: '{fault}'}}")
     assert (tmp_path / "fired").exists(), "the fault never fired"
     stall = [r for r in records if r.get("event") == "stall"]
     assert len(stall) == 1 and "pool 'gen' rank 0" in stall[0]["error"], records
     assert "in phase 'generate_at'" in stall[0]["error"] and "made no progress for" in stall[0]["error"]
+    assert {r["step"] for r in records if "train/reward_mean" in r} == set(range(1, 5))
+
+
+@pytest.mark.slow
+def test_resume_regenerates_the_untrained_prompts(tmp_path, ray_local):
+    # A checkpoint at step 2 keeps no in-flight generation: the resumed run draws the prompts of step 3 again
+    # and generates them at version 2, the one step 3 trains: staleness 0 (a straight run had 1 there).
+    out = tmp_path / "run"
+    common = (*SHORT, *SPLIT, "trainer.mode=async", "trainer.max_staleness=1", "trainer.save_every=2")
+    train_run("examples/quickstart.yaml", out, *common, "trainer.total_steps=2")
+    records = train_run("examples/quickstart.yaml", out, *common, "trainer.total_steps=3", "trainer.resume=auto")
+    step3 = [r for r in records if r.get("step") == 3 and "train/reward_mean" in r]
+    assert len(step3) == 1 and step3[0]["train/async/staleness_max"] == 0
     assert any(r.get("event") == "resumed" for r in records)
-    assert {r["step"] for r in records if "train/reward_mean" in r} == set(range(1, 6))
 
 
 @pytest.mark.slow
