@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -51,6 +51,10 @@ for p in $PARTS; do case $p in
     run e2e2_7b 560 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 3 --warmup 1 --tag _7b \
       --out "$OUT" model.path=random:qwen2.5-7b actor.sharding=fsdp2 actor.offload_optimizer=true \
       model.gradient_checkpointing=true algorithm.micro_batch_size=8 cluster.init_timeout_s=400 ;;
+  asyncsync)  # issue 15, nvidia-h200-x2: synchronous, rollout colocated with an actor of world 2 (long-tailed lengths)
+    run async_e2e_sync 580 python3 bench/async_e2e.py --modes sync --steps 6 --warmup 2 --out "$OUT" ;;
+  asyncasync)  # issue 15: 1 rollout GPU generating while 1 actor GPU trains, max_staleness 1, TIS
+    run async_e2e_async 580 python3 bench/async_e2e.py --modes async --steps 6 --warmup 2 --out "$OUT" ;;
   trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
 esac; done
 python3 - "$OUT" <<'PY'
@@ -59,7 +63,12 @@ rows = []
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     d = json.loads(f.read_text())
     rows.append({k: d.get(k) for k in ("bench", "gpus", "engine", "mode", "lengths", "step_s", "tokens_per_s_per_gpu", "phases_s",
-                                       "padding_waste", "update_mfu", "peak_gpu_mem_gib", "error")} | {"file": f.name})
+                                       "padding_waste", "update_mfu", "peak_gpu_mem_gib", "pool_idle_frac", "error")}
+                | {"file": f.name})
+modes = {r["mode"]: r for r in rows if r["bench"] == "async_e2e"}
+if {"sync", "async"} <= set(modes):  # bench/async_e2e.py: the issue's target is >= 1.5
+    rows.append({"bench": "async_e2e", "speedup": modes["async"]["tokens_per_s_per_gpu"] / modes["sync"]["tokens_per_s_per_gpu"],
+                 "pool_idle_frac": {m: modes[m]["pool_idle_frac"] for m in ("sync", "async")}})
 pathlib.Path(sys.argv[1], "summary.txt").write_text("\n".join(json.dumps(r) for r in rows))
 print("\n".join(json.dumps(r) for r in rows))
 PY

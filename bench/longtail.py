@@ -40,8 +40,9 @@ def cut(out: Batch, lengths: torch.Tensor) -> Batch:
     width = max(int(keep.max()), 1)
     reasons = ["stop" if k < int(n) else r for k, n, r in zip(keep.tolist(), mask.sum(1).tolist(),
                                                                out.fields["finish_reason"])]
-    return Batch({"responses": (out["responses"] * new_mask)[:, :width], "response_mask": new_mask[:, :width],
-                  "rollout_logprobs": (out["rollout_logprobs"] * new_mask)[:, :width]},
+    per_sample = {k: v for k, v in out.tensors.items() if v.dim() == 1}  # e.g. weights_version: kept as is
+    return Batch({**per_sample, "responses": (out["responses"] * new_mask)[:, :width],
+                  "response_mask": new_mask[:, :width], "rollout_logprobs": (out["rollout_logprobs"] * new_mask)[:, :width]},
                  {**out.fields, "finish_reason": reasons}, dict(out.meta))
 
 
