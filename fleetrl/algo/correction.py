@@ -17,6 +17,10 @@ w = pi_old(y_t) / pi_rollout(y_t) on each token's loss. Modes (ROLLOUT_CORRECTIO
 Levels: "token" uses each token's own ratio; "sequence" uses the product over the sequence's response tokens,
 w_b = exp(sum_t (old_logp - rollout_logp)), broadcast to its tokens (truncating / masking whole sequences).
 The weights are constants for the update: pass them as `is_weights_BT` to any POLICY_LOSSES entry.
+
+The same weights are the off-policy correction of asynchronous training (trainer.mode=async, docs/async.md):
+there pi_rollout is the behaviour policy of an older weights version and pi_old the recomputed current one
+(decoupled PPO, Fu et al. 2025, AReaL), so staleness and kernel mismatch are corrected together.
 """
 from __future__ import annotations
 

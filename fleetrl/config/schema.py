@@ -108,7 +108,8 @@ class KLConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutCorrectionConfig:
-    """Importance weights pi_old / pi_rollout for the rollout-trainer log-prob mismatch (`algo/correction.py`)."""
+    """Importance weights pi_old / pi_rollout for the rollout-trainer log-prob mismatch (`algo/correction.py`). In
+    trainer.mode=async the same weights correct staleness (the off-policy correction, docs/async.md)."""
 
     mode: Literal["none", "tis", "mis", "icepop"] = "none"
     """tis: truncate at cap (Yao et al. 2025); mis: zero weights above cap; icepop: zero outside [low, high]."""
