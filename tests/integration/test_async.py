@@ -1,6 +1,7 @@
 """trainer.mode=async through real Ray workers: max_staleness 0 is the synchronous run, number for number; no
 sample beyond the bound is ever trained on (recorded versions); a frozen rollout worker is a stall the supervisor
-recovers from (resuming mid-pipeline); GRPO still learns with max_staleness 1 and TIS."""
+recovers from; a resume regenerates the untrained prompts; dynamic sampling refills within the bound; the
+object-store weight path delivers LoRA weights; GRPO still learns with max_staleness 1 and TIS."""
 from __future__ import annotations
 
 import math
@@ -8,11 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fleetrl.config import derive_plan, load_config
 from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.schedule import staleness_bound_holds
-from fleetrl.trainer.trainer import Trainer
+from fleetrl.trainer.trainer import SEQ_KEYS, Trainer
+from fleetrl.workers.worker import Worker
 from tests.integration.helpers import train_run, val_curve
 
 SPLIT = ("cluster.pools={train: {cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5}}",
@@ -76,6 +79,44 @@ def test_no_sample_beyond_the_bound_is_trained_on(tmp_path, ray_local):
     # Not vacuous: step 1 and 2 were generated at version 0 (steps 1-2 before any sync), so step 2 trains
     # version 1 on staleness-1 samples; from step 3 on, step s is generated at version s-2.
     assert [sorted(set(v)) for _, v in seen] == [[0], [0], [1], [2]]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_refills_from_the_stream_within_the_bound(tmp_path, ray_local):
+    # Chunks of 2 groups; groups whose 8 rewards are all equal are dropped and the step takes more chunks.
+    seen = _recorded_run(tmp_path, *SPLIT, "trainer.mode=async", "trainer.max_staleness=1", "trainer.chunk_groups=2",
+                         "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_rounds=2",
+                         "trainer.total_steps=3")
+    assert [t for t, _ in seen] == [0, 1, 2]
+    assert all(len(v) == 8 * 8 for _, v in seen)
+    assert staleness_bound_holds([t for t, _ in seen], [v for _, v in seen], 1)
+
+
+def _rollout_vs_actor(t: Trainer) -> float:
+    batch = t.generate(t.train_feed.next_batch(8))
+    actor = t.group("actor").call_split(Worker.compute_logprobs, batch.pick(*SEQ_KEYS))
+    return float(((batch["rollout_logprobs"] - actor["old_logprobs"]).abs() * batch["response_mask"]).max())
+
+
+@pytest.mark.slow
+def test_object_store_weights_reach_the_rollout_with_lora(tmp_path, ray_local):
+    # LoRA: only the merged adapted projections travel; the rollout merges them into its own state dict.
+    cfg = load_config("examples/quickstart.yaml", [*SHORT, *SPLIT, "trainer.mode=async", "tracking.console=false",
+                                                   "actor.lora={rank: 4, targets: [q_proj, v_proj]}"])
+    t = Trainer(derive_plan(cfg), Tracker(tmp_path, cfg.tracking, {}, "async"), tmp_path)
+    try:
+        t.build_groups()
+        batch = t.rollouts()
+        batch.tensors["scores"] = (torch.arange(len(batch)) % 2).float()
+        t.update(t.advantages(t.logprobs(batch)))
+        assert _rollout_vs_actor(t) > 1e-3, "before the sync the rollout still has the base weights"
+        t.sync()
+        t.pipeline.load_engines()  # queued behind the generation the sync started
+        assert t.group("rollout").call_all(Worker.weights_version) == [1]
+        assert _rollout_vs_actor(t) < 1e-5
+    finally:
+        t.shutdown()
+        t.tracker.close()
 
 
 @pytest.mark.slow
