@@ -137,6 +137,19 @@ def test_frozen_rollout_worker_is_a_stall_and_recovers(tmp_path, ray_local):
 
 
 @pytest.mark.slow
+def test_slow_generate_call_past_its_deadline_is_a_stall(tmp_path, ray_local):
+    # Every heartbeat sleeps 1 s: a 4-token generation takes >= 4 s, past the 2 s deadline of generate_at, while
+    # still beating (so it is the deadline, not the stall clock, that fires). No restarts: the error surfaces.
+    from fleetrl.cluster.watchdog import StallError
+
+    with pytest.raises(StallError, match=r"pool 'gen' rank 0 .* did not finish within the call deadline of 2s "
+                                         r"\(cluster.call_timeout_s\) in phase 'generate_at'"):
+        train_run("examples/quickstart.yaml", tmp_path / "run", *SHORT, *SPLIT, "trainer.mode=async",
+                  "trainer.total_steps=2", "cluster.stall_s=30", "cluster.call_timeouts={generate_at: 2}",
+                  "cluster.env={FLEETRL_FAULT_BEAT_DELAY_S: '1'}")
+
+
+@pytest.mark.slow
 def test_resume_regenerates_the_untrained_prompts(tmp_path, ray_local):
     # A checkpoint at step 2 keeps no in-flight generation: the resumed run draws the prompts of step 3 again
     # and generates them at version 2, the one step 3 trains: staleness 0 (a straight run had 1 there).
