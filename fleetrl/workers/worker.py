@@ -157,7 +157,7 @@ class Worker:
         from fleetrl.workers.weight_bus import sync_state
 
         named = sync_state(self._need("actor").model, self.ctx.cfg.actor.lora)
-        return {n: t.detach().cpu().clone() for n, t in named} if self.ctx.rank == 0 else None
+        return {n: t.detach().to("cpu", copy=True) for n, t in named} if self.ctx.rank == 0 else None
 
     def install_weights(self, received: dict[str, torch.Tensor], version: int) -> None:
         """Loads `sync_state`'s tensors (from the bus or the object store) into the rollout engine."""
