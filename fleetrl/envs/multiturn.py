@@ -15,9 +15,9 @@ Masks over the response axis R (right-padded, the same layout as GenerationOutpu
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-import time
 from functools import partial
 
 import torch
