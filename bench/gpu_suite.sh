@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked multiturn
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -44,6 +44,10 @@ for p in $PARTS; do case $p in
   ltpacked)  # long-tailed lengths, packed + fused
     run e2e1_longtail_packed 250 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
       --lengths longtail --tag _longtail_packed --out "$OUT" algorithm.micro_batch_tokens=16384 actor.fused_logprob_chunk=4096 ;;
+  multiturn)  # 4-turn episodes against the fixed_turns throughput env: model/env tokens/s, engine idle time
+    run e2e1_multiturn 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/multiturn.py --engine fast --steps 5 --out "$OUT"
+    run e2e1_multiturn_latency 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/multiturn.py --engine fast --steps 5 \
+      --latency-s 0.05 --tag _latency50ms --out "$OUT" ;;
   trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
 esac; done
 python3 - "$OUT" <<'PY'
@@ -52,7 +56,9 @@ rows = []
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     d = json.loads(f.read_text())
     rows.append({k: d.get(k) for k in ("bench", "gpus", "engine", "mode", "lengths", "step_s", "tokens_per_s_per_gpu", "phases_s",
-                                       "padding_waste", "update_mfu", "peak_gpu_mem_gib", "error")} | {"file": f.name})
+                                       "padding_waste", "update_mfu", "peak_gpu_mem_gib", "model_tokens_per_s",
+                                       "env_tokens_per_s", "turns_per_episode", "engine_idle_s", "idle_share",
+                                       "error")} | {"file": f.name})
 pathlib.Path(sys.argv[1], "summary.txt").write_text("\n".join(json.dumps(r) for r in rows))
 print("\n".join(json.dumps(r) for r in rows))
 PY
