@@ -16,7 +16,7 @@ the episodes the rollout worker returns:
                       synchronous and an episode active at turn k was active at every earlier turn
   slot_wait_s         mean env_wait_s per episode (how long an engine slot waited on replies, its batch's
                       slowest reply included)
---smoke: the same path on CPU in seconds (tiny: model, hf engine, 4 prompts × 2, 3 turns of 4 tokens).
+--smoke: the same path on CPU in seconds (tiny: model, 4 prompts × 2, 3 turns of 4 tokens; either engine).
 """
 from __future__ import annotations
 
