@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync multiturn
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -55,6 +55,10 @@ for p in $PARTS; do case $p in
     run async_e2e_sync 580 python3 bench/async_e2e.py --modes sync --steps 6 --warmup 2 --out "$OUT" ;;
   asyncasync)  # issue 15: 1 rollout GPU generating while 1 actor GPU trains, max_staleness 1, TIS
     run async_e2e_async 580 python3 bench/async_e2e.py --modes async --steps 6 --warmup 2 --out "$OUT" ;;
+  multiturn)  # 4-turn episodes against the fixed_turns throughput env: model/env tokens/s, engine idle time
+    run e2e1_multiturn 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/multiturn.py --engine fast --steps 5 --out "$OUT"
+    run e2e1_multiturn_latency 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/multiturn.py --engine fast --steps 5 \
+      --latency-s 0.05 --tag _latency50ms --out "$OUT" ;;
   trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
 esac; done
 python3 - "$OUT" <<'PY'
@@ -63,7 +67,8 @@ rows = []
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     d = json.loads(f.read_text())
     rows.append({k: d.get(k) for k in ("bench", "gpus", "engine", "mode", "lengths", "step_s", "tokens_per_s_per_gpu", "phases_s",
-                                       "padding_waste", "update_mfu", "peak_gpu_mem_gib", "pool_idle_frac", "error")}
+                                       "padding_waste", "update_mfu", "peak_gpu_mem_gib", "pool_idle_frac", "model_tokens_per_s",
+                                       "env_tokens_per_s", "turns_per_episode", "engine_idle_s", "idle_share", "error")}
                 | {"file": f.name})
 modes = {r["mode"]: r for r in rows if r["bench"] == "async_e2e"}
 if {"sync", "async"} <= set(modes):  # bench/async_e2e.py: the issue's target is >= 1.5

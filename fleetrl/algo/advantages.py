@@ -65,7 +65,7 @@ ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 # Estimators that read only scores_B (one number per sequence) and ignore token_rewards_BT. Decided here, next
 # to the estimators, so the config/trainer asks once instead of re-deriving it; tests/algo/test_advantages.py
 # checks the set against what each estimator actually does with token rewards.
-OUTCOME_ESTIMATORS: frozenset[str] = frozenset({"grpo", "drgrpo", "rloo"})
+OUTCOME_ESTIMATORS: frozenset[str] = frozenset({"grpo", "drgrpo", "rloo", "grpo_turns"})
 
 
 def is_outcome_estimator(name: str) -> bool:
@@ -190,6 +190,48 @@ def grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     if inputs.norm_by_std:
         adv_B = adv_B / (std_B + inputs.eps)
     return _broadcast(adv_B, inputs.mask_BT)
+
+
+def turn_index(mask_BT: Tensor) -> Tensor:
+    """[B, T] long: k on the tokens of the k-th run of 1s of mask_BT (the k-th model turn), -1 where it is 0.
+
+    A multi-turn rollout's loss_mask is 1 on model tokens and 0 on the environment's, and every observation
+    adds at least the next turn's generation prompt, so each model turn is exactly one run of 1s."""
+    valid_BT = mask_BT.bool()
+    before_BT = torch.cat([torch.zeros_like(valid_BT[:, :1]), valid_BT[:, :-1]], dim=1)
+    runs_BT = (valid_BT & ~before_BT).long().cumsum(dim=1) - 1
+    return torch.where(valid_BT, runs_BT, torch.full_like(runs_BT, -1))
+
+
+@ADVANTAGES.register("grpo_turns")
+@torch.no_grad()
+def grpo_turns(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """GRPO with one baseline per turn: the tokens of turn k get (score - mean) / (std + eps) over the episodes
+    of their group that reached turn k (turns from `turn_index(mask_BT)`). One turn per row: exactly `grpo`.
+
+    Why. With an outcome score the return of every turn is the episode's score, so GRPO's only per-token
+    choice is the baseline, and its one group-wide baseline mixes states: when few episodes of a group call
+    a tool, the callers' answers are compared with the non-callers' and inherit the call's shaping bonus as a
+    large advantage, whatever digit they answered (docs/envs.md "The learning test"). Comparing a turn with the
+    same turn of its siblings removes whatever every reacher shares (that bonus) and leaves the answer's own
+    credit. The baseline is still independent of the turn's action, so the gradient stays unbiased; rewards
+    earned in earlier turns that differ between reachers only add variance. Related: MT-GRPO's turn-level
+    advantages (Zeng et al. 2025, arXiv:2505.11821), which normalise per-turn rewards per turn the same way.
+    Ignores token_rewards_BT, gamma and lam.
+    """
+    turn_BT = turn_index(inputs.mask_BT)
+    adv_BT = torch.zeros(inputs.mask_BT.shape, dtype=torch.promote_types(inputs.scores_B.dtype, torch.float32),
+                         device=inputs.mask_BT.device)
+    for k in range(int(turn_BT.max()) + 1 if turn_BT.numel() else 0):
+        at_BT = turn_BT == k
+        rows_B = at_BT.any(dim=1)
+        scores_R = inputs.scores_B[rows_B]
+        mean_R, std_R, _ = group_stats(scores_R, inputs.group_B[rows_B])
+        adv_R = scores_R - mean_R
+        if inputs.norm_by_std:
+            adv_R = adv_R / (std_R + inputs.eps)
+        adv_BT[rows_B] = torch.where(at_BT[rows_B], adv_R.unsqueeze(1).to(adv_BT.dtype), adv_BT[rows_B])
+    return adv_BT, adv_BT
 
 
 @ADVANTAGES.register("drgrpo")

@@ -18,7 +18,7 @@ from fleetrl.config.schema import PoolConfig, RunConfig
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
 # Estimators that compare samples of the same prompt need at least two of them.
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "grpo_turns", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 SeedPurpose = Literal["worker", "engine", "generate", "validate", "sampler"]

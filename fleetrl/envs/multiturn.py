@@ -15,6 +15,7 @@ Masks over the response axis R (right-padded, the same layout as GenerationOutpu
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -64,6 +65,10 @@ class EpisodeMetrics:
     env_errors: int = 0
     model_tokens: int = 0
     env_tokens: int = 0
+    # Seconds the episode's engine slot waited on environments: resets and each of its turns' steps plus the
+    # observation's tokenisation. Turns are synchronous, so an episode waits for the slowest reply of its batch;
+    # the longest episode's wait is the engine's idle time (active sets only shrink from turn to turn).
+    env_wait_s: float = 0.0
 
     @property
     def env_token_share(self) -> float:
@@ -88,7 +93,8 @@ class MultiTurnOutput:
         """Batch means per episode, plus the share of environment tokens among all trajectory tokens."""
         n = max(len(self.episodes), 1)
         out = {f"env/{k}": sum(getattr(e, k) for e in self.episodes) / n
-               for k in ("turns", "tool_calls", "tool_errors", "tool_time_s", "timeouts", "env_errors")}
+               for k in ("turns", "tool_calls", "tool_errors", "tool_time_s", "timeouts", "env_errors",
+                         "env_wait_s")}
         env = sum(e.env_tokens for e in self.episodes)
         total = env + sum(e.model_tokens for e in self.episodes)
         out["env/env_token_share"] = env / total if total else 0.0
@@ -176,7 +182,9 @@ def run_multiturn(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, mak
                          "dict (data_source, ground_truth, extra_info, ...) per prompt row")
     caller = EnvCaller(config.env_timeout_s)
     episodes = [_Episode(prompts[b][prompt_mask[b].bool()].tolist()) for b in range(len(samples))]
+    waited = time.monotonic()
     _start(caller, make_env, episodes, samples)
+    _book_wait(episodes, time.monotonic() - waited)
     stops = tuple(dict.fromkeys([*params.stop_strings, *(s for ep in episodes if ep.env is not None
                                                          for s in getattr(ep.env, "stop_strings", ()))]))
     renderer = ObservationRenderer(tokenizer, config.observation_role)
@@ -188,6 +196,7 @@ def run_multiturn(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, mak
         seed = None if params.seed is None else params.seed + 7919 * turn  # fresh draws each turn
         texts, last_tokens = _generate(engine, tokenizer, active, replace(params, seed=seed, stop_strings=stops),
                                        per_turn, config.max_total_tokens)
+        waited = time.monotonic()
         outcomes = caller.call_all([partial(ep.env.step, text) for ep, text in zip(active, texts)])
         for ep, outcome, last in zip(active, outcomes, last_tokens):
             observation = _apply_outcome(ep, outcome)
@@ -202,7 +211,13 @@ def run_multiturn(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, mak
                 ep.finish = FINISH_BUDGET
                 continue
             ep.append(obs_tokens, None)
+        _book_wait(active, time.monotonic() - waited)
     return _collate(episodes, tokenizer.pad_token_id)
+
+
+def _book_wait(episodes: list[_Episode], seconds: float) -> None:
+    for ep in episodes:
+        ep.metrics.env_wait_s += seconds
 
 
 def _make_and_reset(make_env: Callable[[dict], Env], sample: dict) -> tuple[Env, object]:

@@ -53,7 +53,7 @@ def episode_metrics(batch: Batch) -> dict[str, float]:
     """Means per episode of the rollout's env_* counters, the share of environment tokens among all trajectory
     tokens, and the share of each finish reason."""
     m = {f"train/env/{name}": float(batch[f"env_{name}"].mean())
-         for name in ("turns", "tool_calls", "tool_errors", "tool_time_s", "timeouts", "env_errors")}
+         for name in ("turns", "tool_calls", "tool_errors", "tool_time_s", "timeouts", "env_errors", "env_wait_s")}
     env, model = float(batch["env_env_tokens"].sum()), float(batch["env_model_tokens"].sum())
     m["train/env/env_token_share"] = env / max(env + model, 1.0)
     reasons = list(batch["finish_reason"])

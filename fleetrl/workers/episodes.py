@@ -23,7 +23,7 @@ from fleetrl.envs.multiturn import FINISH_BUDGET, MultiTurnConfig, run_multiturn
 SAMPLE_FIELDS = ("data_source", "ground_truth", "extra_info", "raw_prompt")
 # EpisodeMetrics fields shipped per sample as `env_<name>` tensors.
 EPISODE_COUNTERS = ("turns", "tool_calls", "tool_errors", "tool_time_s", "timeouts", "env_errors",
-                    "model_tokens", "env_tokens")
+                    "model_tokens", "env_tokens", "env_wait_s")
 
 
 def generate_keys(rollout: RolloutConfig) -> tuple[str, ...]:

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -10,6 +12,7 @@ from fleetrl.algo.advantages import (
     gae_advantages,
     is_outcome_estimator,
     place_scores_on_last_token,
+    turn_index,
 )
 
 ATOL = dict(atol=1e-5, rtol=1e-5)
@@ -133,7 +136,7 @@ def test_drgrpo_never_divides_by_std():
 
 def test_grpo_family_ignores_token_rewards():
     extra = torch.full((6, 2), 10.0)
-    for name in ("grpo", "drgrpo", "rloo"):
+    for name in ("grpo", "grpo_turns", "drgrpo", "rloo"):
         with_extra, _ = ADVANTAGES.get(name)(_group_inputs(token_rewards_BT=extra))
         without, _ = ADVANTAGES.get(name)(_group_inputs())
         assert_close(with_extra, without)
@@ -265,3 +268,53 @@ def test_outcome_estimators_are_exactly_those_ignoring_token_rewards(name):
 def test_is_outcome_estimator_rejects_unknown_names():
     with pytest.raises(ValueError, match="did you mean 'drgrpo'"):
         is_outcome_estimator("drgrp")
+
+
+# ------------------------------------------------------------------------------------- per-turn GRPO
+# Loss masks of a multi-turn batch (0 = environment token or padding). Rows 0 and 2 call a tool (turn 0), read
+# its reply and answer (turn 1); rows 1 and 3 answer at once (row 3's answer is two tokens).
+TURN_MASK = torch.tensor([[1, 0, 0, 1, 0], [1, 0, 0, 0, 0], [1, 0, 0, 1, 0], [1, 1, 0, 0, 0]])
+
+
+def test_turn_index_numbers_the_runs_of_model_tokens():
+    assert turn_index(TURN_MASK).tolist() == [[0, -1, -1, 1, -1], [0, -1, -1, -1, -1], [0, -1, -1, 1, -1],
+                                              [0, 0, -1, -1, -1]]
+
+
+def test_grpo_turns_gives_the_call_bonus_to_the_call_not_to_wrong_answers():
+    # Every answer is wrong; the callers (rows 0, 2) get the 0.1 call bonus: scores [0.1, 0, 0.1, 0].
+    # grpo: mean 0.05, unbiased std sqrt(4 * 0.0025 / 3) = 0.057735 -> +-0.866025 on EVERY token, so the callers'
+    #   wrong answers (position 3) are reinforced with +0.866.
+    # grpo_turns: turn 0 is the same over all four rows (+-0.866025); turn 1 is compared among rows 0 and 2
+    #   only: scores [0.1, 0.1], mean 0.1 -> 0 (nothing for a wrong answer).
+    inputs = _inputs(scores_B=torch.tensor([0.1, 0.0, 0.1, 0.0]), mask_BT=TURN_MASK, group_B=torch.zeros(4))
+    a = 0.866025
+    plain, _ = ADVANTAGES.get("grpo")(inputs)
+    assert_close(plain[:, 3], torch.tensor([a, 0.0, a, 0.0]), **ATOL)
+    adv, ret = ADVANTAGES.get("grpo_turns")(inputs)
+    expected = torch.tensor([[a, 0, 0, 0, 0], [-a, 0, 0, 0, 0], [a, 0, 0, 0, 0], [-a, -a, 0, 0, 0]])
+    assert_close(adv, expected, **ATOL)
+    assert_close(ret, expected, **ATOL)
+
+
+def test_grpo_turns_answer_credit_and_groups():
+    # Group 0 as above but row 0 answered right: scores [1.1, 0, 0.1, 0].
+    #   turn 0: mean 0.3, deviations [0.8, -0.3, -0.2, -0.3], unbiased var 0.86 / 3, std 0.535413
+    #           -> [1.494176, -0.560316, -0.373544, -0.560316]
+    #   turn 1: rows 0, 2: [1.1, 0.1], mean 0.6, std sqrt(0.5) -> +-0.707107 (without std: +-0.5)
+    # Group 1 (rows 4, 5): one turn each, [1, 0] -> +-0.707107, exactly grpo.
+    mask = torch.cat([TURN_MASK, torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])])
+    inputs = _inputs(scores_B=torch.tensor([1.1, 0.0, 0.1, 0.0, 1.0, 0.0]), mask_BT=mask,
+                     group_B=torch.tensor([0, 0, 0, 0, 1, 1]))
+    adv, _ = ADVANTAGES.get("grpo_turns")(inputs)
+    r = 0.707107
+    expected = torch.tensor([[1.494176, 0, 0, r, 0], [-0.560316, 0, 0, 0, 0], [-0.373544, 0, 0, -r, 0],
+                             [-0.560316, -0.560316, 0, 0, 0], [r, r, 0, 0, 0], [-r, 0, 0, 0, 0]])
+    assert_close(adv, expected, **ATOL)
+    centred, _ = ADVANTAGES.get("grpo_turns")(replace(inputs, norm_by_std=False))
+    assert_close(centred[[0, 2], 3], torch.tensor([0.5, -0.5]), **ATOL)
+
+
+def test_grpo_turns_is_grpo_for_single_turn_responses():
+    # No holes in MASK: one turn per row, so the per-turn baseline is the group's.
+    assert_close(ADVANTAGES.get("grpo_turns")(_group_inputs())[0], ADVANTAGES.get("grpo")(_group_inputs())[0])

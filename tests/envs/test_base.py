@@ -1,3 +1,4 @@
+import threading
 import time
 
 import pytest
@@ -65,6 +66,23 @@ def test_caller_turns_exceptions_and_timeouts_into_outcomes():
     assert outcomes[0].value == 5 and outcomes[0].error is None
     assert outcomes[1].error == "KeyError: 'k'" and not outcomes[1].timed_out
     assert outcomes[2].timed_out and "0.3 s deadline" in outcomes[2].error
+
+
+def test_caller_reuses_threads_and_a_hung_call_never_delays_later_ones():
+    caller = EnvCaller(timeout_s=0.3)
+    caller.call_all([lambda: 0] * 8)  # the pool now holds >= 8 idle workers (other tests' workers too)
+    time.sleep(0.1)  # a worker counts itself idle just after its result is handed back
+    before = threading.active_count()
+    assert [o.value for o in caller.call_all([lambda i=i: i for i in range(8)])] == list(range(8))
+    assert threading.active_count() == before  # 8 calls on 8 idle workers: no new thread
+    release = threading.Event()
+    hung = caller.call_all([release.wait])  # abandoned at 0.3 s; its worker stays busy until released
+    assert hung[0].timed_out
+    # The hung worker is not counted idle, so each of these starts at once on another worker and ends well
+    # within the 0.3 s deadline (a task queued behind the hung one would time out).
+    later = caller.call_all([lambda: time.sleep(0.05) or "ok"] * 8)
+    assert [o.value for o in later] == ["ok"] * 8
+    release.set()
 
 
 def test_single_turn_env_is_a_reward_function_as_one_step():

@@ -45,17 +45,20 @@ def test_an_unknown_env_key_is_named_by_the_loader():
 
 def test_episode_metrics_are_means_per_episode():
     # Two episodes: (turns 2, 1 call, 0 errors, 0.5 s, 4 model + 5 env tokens) and
-    # (turns 3, 2 calls, 1 error, 1.5 s, 6 model + 5 env tokens, one env error, one timeout).
+    # (turns 3, 2 calls, 1 error, 1.5 s, 6 model + 5 env tokens, one env error, one timeout); they waited 0.25 s
+    # and 0.75 s on environment replies.
     b = Batch({"env_turns": torch.tensor([2.0, 3.0]), "env_tool_calls": torch.tensor([1.0, 2.0]),
                "env_tool_errors": torch.tensor([0.0, 1.0]), "env_tool_time_s": torch.tensor([0.5, 1.5]),
                "env_timeouts": torch.tensor([0.0, 1.0]), "env_env_errors": torch.tensor([0.0, 1.0]),
-               "env_model_tokens": torch.tensor([4.0, 6.0]), "env_env_tokens": torch.tensor([5.0, 5.0])},
+               "env_model_tokens": torch.tensor([4.0, 6.0]), "env_env_tokens": torch.tensor([5.0, 5.0]),
+               "env_env_wait_s": torch.tensor([0.25, 0.75])},
               {"finish_reason": ["done", "timeout"]})
     m = episode_metrics(b)
     assert m["train/env/turns"] == 2.5 and m["train/env/tool_calls"] == 1.5 and m["train/env/tool_errors"] == 0.5
     assert m["train/env/tool_time_s"] == 1.0 and m["train/env/timeouts"] == 0.5 and m["train/env/env_errors"] == 0.5
     assert m["train/env/env_token_share"] == 10 / 20  # (5 + 5) env of (4 + 5 + 6 + 5) trajectory tokens
     assert m["train/env/finish_done"] == 0.5 and m["train/env/finish_timeout"] == 0.5
+    assert m["train/env/env_wait_s"] == 0.5  # (0.25 + 0.75) / 2
 
 
 def test_with_an_env_the_score_is_the_episode_reward_and_sources_need_no_scorer():
