@@ -39,7 +39,7 @@ PHASES = ("generate", "score", "logprobs", "update", "sync", "step")
 class Sampler:
     """Samples, every `every` s, the RSS and CPU time (user + system) of this process and (with `children`) of each
     descendant (Ray workers descend from the raylet this driver started), and the 1-minute load average.
-    `step_cpu` holds the worker's CPU time when each line of `metrics` appeared (one line per step here)."""
+    `step_cpu` holds the worker's CPU time when each step's record appeared in `metrics`."""
 
     def __init__(self, children: bool, metrics: Path, every: float = 0.25) -> None:
         self.children, self.metrics, self.every = children, metrics, every
@@ -71,7 +71,8 @@ class Sampler:
                 self.rss[proc.pid] = max(self.rss.get(proc.pid, 0), rss)
                 self.cpu[proc.pid] = cpu - (start if proc is me else 0.0)
             self.loads.append(os.getloadavg()[0])
-            lines = self.metrics.read_text().count("\n") if self.metrics.is_file() else 0
+            # Event lines (resumed, finished) share the file: count the step records only.
+            lines = self.metrics.read_text().count('"train/time/step"') if self.metrics.is_file() else 0
             while len(self.step_cpu) < lines:
                 self.step_cpu.append(self.cpu.get(self.worker_pid(), 0.0))
             self._stop.wait(self.every)
