@@ -13,4 +13,4 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install "torch>=2.4" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-"$PY" -m pip install -e ".[dev]"
+"$PY" -m pip install -e ".[dev,smol]"  # smol: SmolLM2 for the real-model learning test

@@ -165,6 +165,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     _check_sampling(cfg)
     _check_env(cfg)
     _check_lora(cfg)
+    _check_share_prompts(cfg)
     use_critic = cfg.algorithm.advantage == "gae"
     use_ref = cfg.algorithm.kl.placement != "none"
     use_rm = cfg.rewards.model is not None  # the reward_model role exists only with rewards.model set
@@ -345,6 +346,16 @@ def _check_lora(cfg: RunConfig) -> None:
     if cfg.actor.sharding == "fsdp2":
         raise ConfigError("actor.lora with actor.sharding=fsdp2 is not supported yet: the adapters are a few MB, "
                           "so set actor.sharding=none (the frozen base is not duplicated in optimiser state)")
+
+
+def _check_share_prompts(cfg: RunConfig) -> None:
+    a = cfg.actor
+    if a.share_prompts and (a.logprob_chunk is None or cfg.algorithm.micro_batch_tokens is not None
+                            or a.sharding == "fsdp2"):
+        raise ConfigError(f"actor.share_prompts works on the padded, chunked forward only; got actor.logprob_chunk="
+                          f"{a.logprob_chunk}, algorithm.micro_batch_tokens={cfg.algorithm.micro_batch_tokens}, "
+                          f"actor.sharding={a.sharding}. Set actor.logprob_chunk (e.g. 16), micro_batch_tokens=null "
+                          "and sharding=none, or share_prompts=false")
 
 
 def _map_roles(cfg: RunConfig, active: list[str]) -> dict[str, str]:

@@ -44,6 +44,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: int | None = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature) at each response token, [B, R] float32; 0 where response_mask is 0.
 
@@ -51,6 +52,7 @@ def sequence_logprobs(
     `return_entropy`. With `chunk_size`, the LM head and log-softmax run over `chunk_size` response positions
     at a time (B x chunk x V fp32 at most); under autograd each chunk is checkpointed so its logits are
     recomputed in backward instead of kept. Without it, the model's own forward produces all logits at once.
+    With `share_prompts` (chunked path only), rows with the same prompt run it once (`_shared_prompt_hidden`).
     Differentiable; call under torch.no_grad() for rollouts.
     """
     if temperature <= 0:
@@ -70,7 +72,9 @@ def sequence_logprobs(
         logits = _full_logits(model, input_ids, attention_mask, position_ids, R)
         logp_BR, entropy_BR = _chunk_stats(logits, responses_BR, None, temperature, return_entropy)
     else:
-        hidden, head = _response_hidden(model, input_ids, attention_mask, position_ids, P, R), _lm_head(model)
+        hidden = (_shared_prompt_hidden(model, prompts_BP, prompt_mask_BP, responses_BR, attention_mask, position_ids)
+                  if share_prompts else _response_hidden(model, input_ids, attention_mask, position_ids, P, R))
+        head = _lm_head(model)
         pieces = []
         for start in range(0, R, chunk_size):
             args = (hidden[:, start:start + chunk_size], responses_BR[:, start:start + chunk_size], head,
@@ -115,6 +119,32 @@ def _response_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     out = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False)
     return out.last_hidden_state[:, P - 1:P + R - 1]
+
+
+def _shared_prompt_hidden(model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
+                          responses_BR: torch.Tensor, attention_mask: torch.Tensor,
+                          position_ids: torch.Tensor) -> torch.Tensor:
+    """As `_response_hidden`, but each distinct prompt row runs through the backbone once: GRPO's n samples of a
+    prompt share it, and on CPU the prompt is most of the update's tokens (SmolLM2 arithmetic: ~50 prompt tokens
+    to <= 48 response tokens, n = 8). The distinct prompts' KV cache is then gathered per row, with autograd, so
+    the responses attend to it and the gradient still flows into the prompt's keys and values. The same sums as
+    the full forward in another order: equal to rounding. Returns [B, R, H]."""
+    from fleetrl.models.value_head import backbone_of  # local import: value_head imports this module
+
+    check_head_only(model, "sequence_logprobs(share_prompts=True)")
+    P, R = prompts_BP.shape[1], responses_BR.shape[1]
+    # Pad slots compare equal after masking, so rows differing only in padding content are one prompt.
+    keyed = torch.cat([prompts_BP * prompt_mask_BP, prompt_mask_BP], dim=1)
+    unique, row_of = torch.unique(keyed, dim=0, return_inverse=True)
+    backbone = backbone_of(model)
+    first = backbone(input_ids=unique[:, :P], attention_mask=unique[:, P:], position_ids=(unique[:, P:].cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    cache = first.past_key_values
+    cache.reorder_cache(row_of)  # [G, ...] -> [B, ...] by index_select: differentiable
+    cache_position = torch.arange(P, P + R, device=responses_BR.device)
+    rest = backbone(input_ids=responses_BR, attention_mask=attention_mask, position_ids=position_ids[:, P:],
+                    past_key_values=cache, use_cache=True, cache_position=cache_position)
+    # The last prompt column predicts response token 0; response column r predicts token r + 1.
+    return torch.cat([first.last_hidden_state[row_of, P - 1:P], rest.last_hidden_state[:, :R - 1]], dim=1)
 
 
 def check_head_only(model: nn.Module, caller: str) -> None:

@@ -38,8 +38,8 @@ def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.n
 
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temperature: float,
-                     chunk: int | None, entropy: bool,
-                     packed: PackedForward | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     chunk: int | None, entropy: bool, packed: PackedForward | None = None,
+                     share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) [B, R] of the response tokens under `model`, micro-batch by micro-batch
     (token-budget micro-batches through the packed forward when `packed` is given)."""
     model.eval()
@@ -50,7 +50,8 @@ def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temper
         mb = mb.to(device)
         args = (model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
         lp, ent = (packed(*args, temperature=temperature, return_entropy=entropy) if packed else
-                   sequence_logprobs(*args, temperature=temperature, return_entropy=entropy, chunk_size=chunk))
+                   sequence_logprobs(*args, temperature=temperature, return_entropy=entropy, chunk_size=chunk,
+                                     share_prompts=share_prompts and chunk is not None))
         full_r = mb.meta.get("full_response_len", lp.shape[1])
         logps.append(pad_response(lp.float().cpu(), full_r))
         if entropy:
@@ -98,7 +99,7 @@ class ActorComponent:
     def compute_logprobs(self, batch: Batch) -> Batch:
         logp, ent = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
                                      temperature=gen_temperature(self.ctx), chunk=self.chunk, entropy=True,
-                                     packed=self.packed)
+                                     packed=self.packed, share_prompts=self.ctx.cfg.actor.share_prompts)
         return Batch({"old_logprobs": logp, "entropy": ent})
 
     def update(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
@@ -114,7 +115,8 @@ class ActorComponent:
         need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here
         args = (self.model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
         kw = dict(temperature=gen_temperature(self.ctx), return_entropy=need_entropy)
-        logp, ent = self.packed(*args, **kw) if self.packed else sequence_logprobs(*args, **kw, chunk_size=self.chunk)
+        logp, ent = self.packed(*args, **kw) if self.packed else sequence_logprobs(
+            *args, **kw, chunk_size=self.chunk, share_prompts=self.ctx.cfg.actor.share_prompts and self.chunk is not None)
         mask = mb[spec.loss_mask].float()
         agg = dict(agg=algo.loss_agg, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, norm_len=counts.norm_len)
         # On-policy (no recompute pass): old = this forward's own detached log-probs, so the ratio is exactly 1

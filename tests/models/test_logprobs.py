@@ -78,3 +78,40 @@ def test_bad_arguments(model):
         sequence_logprobs(model, *_batch(), temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         sequence_logprobs(model, *_batch(), chunk_size=0)
+
+
+def test_shared_prompts_equal_the_full_forward(model, monkeypatch):
+    # Rows 0, 1 and 3 share a left-padded prompt, row 2 has its own: the backbone sees 2 distinct prompts once each
+    # (and then the 4 rows' responses), and log-probs, entropies and gradients equal the one-pass forward's.
+    prompts, prompt_mask, responses, response_mask = _batch()
+    prompts, prompt_mask = prompts[[0, 0, 1, 0]], prompt_mask[[0, 0, 1, 0]]
+    responses, response_mask = responses[[0, 1, 2, 2]], response_mask[[0, 1, 2, 2]]
+    seen = []
+    backbone = model.model
+    monkeypatch.setattr(backbone, "forward", lambda *a, _f=backbone.forward, **kw: seen.append(kw["input_ids"].shape)
+                        or _f(*a, **kw))
+    out = {}
+    for share in (False, True):
+        model.zero_grad()
+        seen.clear()
+        logp, ent = sequence_logprobs(model, prompts, prompt_mask, responses, response_mask, chunk_size=2,
+                                      return_entropy=True, share_prompts=share)
+        (logp.sum() + ent.sum()).backward()
+        out[share] = (logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()], list(seen))
+    model.zero_grad()
+    assert out[False][3] == [torch.Size([4, 8])]  # prompt 4 + response 4 columns, every row
+    assert out[True][3] == [torch.Size([2, 4]), torch.Size([4, 4])]  # 2 distinct prompts, then 4 responses
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-6, rtol=0)
+    for a, b in zip(out[False][2], out[True][2]):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_share_prompts_needs_the_chunked_padded_forward():
+    from fleetrl.config import derive_plan, load_config
+    from fleetrl.config.load import ConfigError
+
+    with pytest.raises(ConfigError, match=r"actor.share_prompts works on the padded, chunked forward only; got "
+                                          r"actor.logprob_chunk=None"):
+        derive_plan(load_config(None, ["actor.share_prompts=true"]))
+    assert derive_plan(load_config(None, ["actor.share_prompts=true", "actor.logprob_chunk=16"])).config.actor.share_prompts

@@ -127,6 +127,21 @@ def test_fast_engine_decodes_with_the_merged_adapters():
     assert fast._fwd.merged is None  # on CPU the merged copy lives for one call only
 
 
+def test_merging_into_the_decode_dtype_rounds_once_as_casting_the_merge_does():
+    # merged_weights(dtype=bf16) rounds each W + dW as it is made (no fp32 copy of every projection at once); the
+    # result is bit for bit the old path's fp32 merge then cast, and only the merges are new bf16 tensors.
+    from fleetrl.engines.fast.arch import cast_weights, merged_weights
+
+    model, _, _ = _trained(targets=("all-linear", "lm_head"))
+    early = cast_weights(merged_weights(model, dtype=torch.bfloat16), torch.bfloat16)
+    late = cast_weights(merged_weights(model), torch.bfloat16)
+    for a, b in zip(early.layers, late.layers):
+        for f in type(a).__slots__:
+            x, y = getattr(a, f), getattr(b, f)
+            assert (x is None and y is None) or (x.dtype == torch.bfloat16 and torch.equal(x, y)), f
+    assert torch.equal(early.lm_head, late.lm_head) and torch.equal(early.embed, late.embed)
+
+
 def test_export_writes_merged_full_weights(tmp_path):
     from fleetrl.checkpoint.export import export_hf
     from fleetrl.workers.state import save_trainable

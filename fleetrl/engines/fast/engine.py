@@ -92,7 +92,8 @@ class FastRolloutEngine:
         rows = self._unpad(prompts, prompt_mask, params)
         # LoRA actor: merged W + ΔW of the adapted projections (before graphs are captured, which read them);
         # kept between calls only where captured graphs hold their addresses.
-        self._fwd.merge_adapters(keep=self.use_cuda_graphs)
+        self._fwd.merge_adapters(keep=self.use_cuda_graphs,
+                                 dtype=None if self.use_cuda_graphs or self.dtype == self.model_dtype else self.dtype)
         buf = self._ready(len(rows), max(len(r) for r in rows) + params.max_new_tokens)
         key = self._configure(buf, params)
         if self.dtype != self.model_dtype:

@@ -65,10 +65,11 @@ class DecoderForward:
             return self.shadow
         return self.merged if self.merged is not None else model_weights(self.model)
 
-    def merge_adapters(self, keep: bool) -> None:
+    def merge_adapters(self, keep: bool, dtype: torch.dtype | None = None) -> None:
         """Merges the model's LoRA adapters (which change between calls) for the next call. `keep`: into the
-        buffers of the previous merge, so their addresses stay fixed for captured CUDA graphs."""
-        self.merged = merged_weights(self.model, self.merged if keep else None)
+        buffers of the previous merge, so their addresses stay fixed for captured CUDA graphs. `dtype`: round
+        each merge to it at once (the call decodes in it)."""
+        self.merged = merged_weights(self.model, self.merged if keep else None, dtype=dtype)
 
     def cast_for_call(self, dtype: torch.dtype) -> None:
         """Takes a `dtype` copy of the model's current (merged) weights (they change in place between calls)."""
