@@ -60,7 +60,7 @@ def worker_setup() -> None:
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     overrides = [f"trainer.total_steps={args.warmup + args.steps}", "data.prompts_per_step=64",
                  f"rollout.max_new_tokens={args.max_len}", "cluster.backend=ray", "tracking.console=false",
-                 *(CPU if args.smoke else GPU)[mode], *(SMOKE if args.smoke else [])]
+                 *(CPU if args.smoke else GPU)[mode], *(SMOKE if args.smoke else []), *args.overrides]
     run_dir = Path(f"/tmp/fleetrl-async-bench-{mode}-{int(time.time())}")
     overrides.append(f"trainer.output_dir={run_dir}")
     plan = derive_plan(load_config(args.config, overrides))
@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, short responses: checks the script")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench"))
+    ap.add_argument("overrides", nargs="*", help="config overrides applied to both modes (key=value)")
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.mean_len, args.max_len = 3, 1, 6.0, 16

@@ -11,6 +11,8 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_ST
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
 PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync multiturn
+# The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md).
+ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -52,9 +54,9 @@ for p in $PARTS; do case $p in
       --out "$OUT" model.path=random:qwen2.5-7b actor.sharding=fsdp2 actor.offload_optimizer=true \
       model.gradient_checkpointing=true algorithm.micro_batch_size=8 cluster.init_timeout_s=400 ;;
   asyncsync)  # issue 15, nvidia-h200-x2: synchronous, rollout colocated with an actor of world 2 (long-tailed lengths)
-    run async_e2e_sync 580 python3 bench/async_e2e.py --modes sync --steps 6 --warmup 2 --out "$OUT" ;;
+    run async_e2e_sync 580 python3 bench/async_e2e.py --modes sync --steps 6 --warmup 2 --out "$OUT" $ASYNC_SET ;;
   asyncasync)  # issue 15: 1 rollout GPU generating while 1 actor GPU trains, max_staleness 1, TIS
-    run async_e2e_async 580 python3 bench/async_e2e.py --modes async --steps 6 --warmup 2 --out "$OUT" ;;
+    run async_e2e_async 580 python3 bench/async_e2e.py --modes async --steps 6 --warmup 2 --out "$OUT" $ASYNC_SET ;;
   multiturn)  # 4-turn episodes against the fixed_turns throughput env: model/env tokens/s, engine idle time
     run e2e1_multiturn 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/multiturn.py --engine fast --steps 5 --out "$OUT"
     run e2e1_multiturn_latency 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/multiturn.py --engine fast --steps 5 \
