@@ -24,7 +24,7 @@ def test_unknown_name_suggests_closest():
         ADVANTAGES.get("grpoo")
     assert str(e.value) == (
         "unknown advantage estimator 'grpoo'; did you mean 'grpo'? known: "
-        "drgrpo, gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"
+        "drgrpo, gae, grpo, grpo_turns, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"
     )
 
 
