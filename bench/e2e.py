@@ -99,15 +99,24 @@ def summarize(rows: list[dict], stats: list[dict], plan, args, overrides: list[s
                      "fused_logprob_chunk": plan.config.actor.fused_logprob_chunk},
         "step_s": step, "tokens_per_step": tokens, "tokens_per_s_per_gpu": tokens / step / g, "phases_s": phases,
         "padding_waste": round(1 - real / slots, 4) if slots else None,
-        "update_mfu": _update_mfu(stats, phases["update_actor"], plan.config.model.path, device),
+        "update_mfu": _update_mfu(stats or _fixed_length_stats(tokens, plan), phases["update_actor"],
+                                  plan.config.model.path, device, g),
         "peak_gpu_mem_gib": (torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None),
         "rollout_logprob_diff_mean": statistics.mean(r["train/rollout_logprob_diff_mean"] for r in rows),
         "wall_s": time.time() - t0, "overrides": overrides, "tag": args.tag,
     }
 
 
-def _update_mfu(stats: list[dict], update_s: float, model_path: str, device: str) -> float | None:
-    """PaLM-style MFU of the actor update (one forward + backward of every trained token) on one GPU."""
+def _fixed_length_stats(tokens: float, plan) -> list[dict]:  # noqa: ANN001
+    """The rollout's token counts when it ran in Ray workers (no in-process stats): with fixed lengths every
+    sequence has the same length, so Σ len² = samples × (tokens / samples)² exactly."""
+    samples = plan.samples_per_step
+    return [{"tokens": tokens, "sum_len_sq": samples * (tokens / samples) ** 2}]
+
+
+def _update_mfu(stats: list[dict], update_s: float, model_path: str, device: str, gpus: int) -> float | None:
+    """PaLM-style MFU of the actor update (one forward + backward of every trained token) per GPU; gradient
+    checkpointing's recomputed forward is not counted (model FLOPs, not hardware FLOPs)."""
     peak = peak_bf16_tflops(device)
     name = model_path.removeprefix(RANDOM_PREFIX)
     if not stats or not peak or update_s <= 0 or name not in QWEN25:
@@ -119,7 +128,7 @@ def _update_mfu(stats: list[dict], update_s: float, model_path: str, device: str
         n = matmul_params(Qwen2ForCausalLM(cfg))
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
     flops = statistics.mean(6 * n * s["tokens"] + attn * s["sum_len_sq"] for s in stats)
-    return round(flops / update_s / (peak * 1e12), 4)
+    return round(flops / update_s / gpus / (peak * 1e12), 4)
 
 
 if __name__ == "__main__":
