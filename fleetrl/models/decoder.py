@@ -21,6 +21,7 @@ directly, outside the root module's FSDP2 hooks, like the packed path) and atten
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -89,8 +90,21 @@ def _rotate(x_BHLQ: torch.Tensor, cos_B1LQ: torch.Tensor, sin_B1LQ: torch.Tensor
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
     """[B, H, L, Q] attention output; k, v have the KV heads (GQA: each serves num_heads // num_kv_heads)."""
     if BlockMask is not None and isinstance(mask, BlockMask):
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        return _flex(q.device.type)(q, k, v, block_mask=mask, enable_gqa=True)
+    if mask is None:  # flash SDPA takes GQA directly when there is no mask
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # With a mask, CUDA's SDPA would fall back to its math kernel for GQA; expand the KV heads instead (as HF's
+    # sdpa integration does). Only the dense packed mask (CPU, or packed_attention=sdpa) comes here.
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                          attn_mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _flex(device_type: str) -> Callable[..., torch.Tensor]:
+    """flex_attention, compiled on GPU: called eagerly it materialises the full score matrix (tokens² per head).
+    Inside a compiled layer dynamo inlines this wrapper, so the layer's graph holds the fused kernel either way."""
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
 def decoder_layer(layer: nn.Module, x_BLD: torch.Tensor, cos_BLQ: torch.Tensor, sin_BLQ: torch.Tensor,
@@ -160,6 +174,8 @@ def packed_mask(position_ids_1N: torch.Tensor, flex: bool) -> Mask:
         def same_doc_causal(b, h, q, kv):  # noqa: ANN001, ANN202 - flex's mask_mod signature
             return (doc_N[q] == doc_N[kv]) & (kv <= q)
 
-        return create_block_mask(same_doc_causal, None, None, N, N, device=position_ids_1N.device)
+        # _compile on GPU: the eager builder evaluates mask_mod over a dense N x N grid (16k tokens: 268M cells).
+        return create_block_mask(same_doc_causal, None, None, N, N, device=position_ids_1N.device,
+                                 _compile=position_ids_1N.device.type == "cuda")
     idx = torch.arange(N, device=position_ids_1N.device)
     return ((doc_N[:, None] == doc_N[None, :]) & (idx[None, :] <= idx[:, None]))[None, None]

@@ -22,10 +22,10 @@ from fleetrl.models.logprobs import _lm_head, check_head_only, head_stats
 from fleetrl.models.packing import PACK_ALIGN, PackedForward, pack, packed_head_stats
 
 
-def bucket_length(n: int, floor: int = PACK_ALIGN) -> int:
+def bucket_length(n: int, floor: int = 64) -> int:
     """n rounded up to a quarter-octave bucket: for 2^k < n <= 2^(k+1), a multiple of 2^(k-2) (and of `floor`).
-    E.g. 100 -> 128, 300 -> 384, 1000 -> 1024, 1100 -> 1280, 2049 -> 2560: at most 25% padding, 4 shapes per
-    doubling of the longest sample (each a compile of the static-shape layer)."""
+    E.g. 100 -> 128, 300 -> 320, 385 -> 448, 1100 -> 1280, 2049 -> 2560: at most 25% padding, at most 4 shapes
+    per doubling of the longest sample (each a compile of the static-shape layer)."""
     step = max(floor, 1 << max((max(n, 1) - 1).bit_length() - 3, 0))
     return -(-max(n, 1) // step) * step
 

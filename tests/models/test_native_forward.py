@@ -173,9 +173,10 @@ def test_compact_rows_by_hand():
 
 
 def test_bucket_length_quarter_octaves():
-    # 2^k < n <= 2^(k+1) rounds up to a multiple of 2^(k-2), at least 128: 300 -> 64-steps -> 320, floor 128 ->
-    # 384; 1100 -> 256-steps -> 1280; 2049 -> 512-steps -> 2560.
-    assert [bucket_length(n) for n in (1, 128, 129, 300, 1024, 1100, 2049)] == [128, 128, 256, 384, 1024, 1280, 2560]
+    # 2^k < n <= 2^(k+1) rounds up to a multiple of 2^(k-2), at least 64: 100 -> 64-steps -> 128; 129 -> 192;
+    # 300 -> 320; 385 -> 448; 1100 -> 256-steps -> 1280; 2049 -> 512-steps -> 2560.
+    got = [bucket_length(n) for n in (1, 64, 100, 129, 300, 385, 1024, 1100, 2049)]
+    assert got == [64, 64, 128, 192, 320, 448, 1024, 1280, 2560]
 
 
 def test_packed_mask_keeps_samples_apart():
