@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from fleetrl.models.decoder import NativeDecoder, NativeForwardError, decoder_layer, packed_mask
+from fleetrl.models.decoder import NativeDecoder, NativeForwardError, decoder_layer, packed_mask, rope_cos_sin
 from fleetrl.models.logprobs import sequence_logprobs
 from fleetrl.models.native import bucket_length, compact_rows, packed_native_logprobs, padded_native_logprobs
 from fleetrl.models.packing import packed_logprobs
@@ -114,6 +114,10 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     want = _loss_and_grads(model, _padded(decoder), _batch(*BATCH))
     model.gradient_checkpointing_enable()
     _assert_same(_loss_and_grads(model, _padded(decoder), _batch(*BATCH)), want)
+    torch._dynamo.reset()  # and a compiled layer under checkpointing (recomputed in backward)
+    _assert_same(_loss_and_grads(model, _padded(NativeDecoder(model, compile_backend="aot_eager")), _batch(*BATCH)),
+                 want)
+    torch._dynamo.reset()
 
 
 def test_compiled_layer_fullgraph_matches_eager_and_compiles_once_for_all_layers():
@@ -205,8 +209,6 @@ def test_decoder_layer_is_causal():
     spec = NativeDecoder(model).spec
     x = torch.randn(1, 5, 32)
     pos = torch.arange(5)[None]
-    from fleetrl.models.decoder import rope_cos_sin
-
     cos, sin = rope_cos_sin(model, pos, x.dtype)
     layer = model.model.layers[0]
     y = decoder_layer(layer, x, cos, sin, spec)
