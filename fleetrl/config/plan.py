@@ -166,6 +166,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     _check_env(cfg)
     _check_lora(cfg)
     _check_share_prompts(cfg)
+    _check_native_forward(cfg)
     use_critic = cfg.algorithm.advantage == "gae"
     use_ref = cfg.algorithm.kl.placement != "none"
     use_rm = cfg.rewards.model is not None  # the reward_model role exists only with rewards.model set
@@ -346,6 +347,16 @@ def _check_lora(cfg: RunConfig) -> None:
     if cfg.actor.sharding == "fsdp2":
         raise ConfigError("actor.lora with actor.sharding=fsdp2 is not supported yet: the adapters are a few MB, "
                           "so set actor.sharding=none (the frozen base is not duplicated in optimiser state)")
+
+
+def _check_native_forward(cfg: RunConfig) -> None:
+    """actor.forward=native's limits; whether the model is a Llama/Qwen2 decoder is checked when it loads."""
+    a = cfg.actor
+    if a.forward == "native" and (a.sharding == "fsdp2" or a.share_prompts):
+        # It calls the backbone's submodules directly, outside the root FSDP2 module's hooks (as the packed path).
+        raise ConfigError(f"actor.forward=native supports neither actor.sharding=fsdp2 nor actor.share_prompts; got "
+                          f"sharding={a.sharding}, share_prompts={a.share_prompts}. Set sharding=none and "
+                          "share_prompts=false, or forward=hf")
 
 
 def _check_share_prompts(cfg: RunConfig) -> None:

@@ -220,8 +220,16 @@ class ActorConfig:
     packed_attention: str = "auto"
     """transformers attention implementation of packed forwards: auto (flex_attention on GPU, the model's own
     on CPU) | flex_attention | flash_attention_2 | sdpa | eager (sdpa/eager build a dense tokens² mask)."""
+    forward: Literal["hf", "native"] = "hf"
+    """Modelling code of the actor's log-prob forwards: hf (transformers' own, any causal LM) | native (our own
+    pure-torch Llama/Qwen2 decoder, models/decoder.py: reads the HF modules' parameters in place, so LoRA,
+    optimiser, checkpoints and weight sync are unchanged; padded rows run causal SDPA with no mask, packed rows
+    flex attention; not with sharding=fsdp2 or share_prompts)."""
     compile: bool = False
-    """torch.compile each decoder layer for the training forward/backward (GPU; the first step compiles)."""
+    """torch.compile each decoder layer for the training forward/backward (GPU; the first step compiles). With
+    forward=native: our layer function, fullgraph and static shapes (padded widths rounded to quarter-octave
+    buckets, packed rows to the token budget); with forward=hf: HF's decoder layers (measured slower in the e2e
+    update, bench/RESULTS.md)."""
     autocast: Literal["off", "bfloat16", "float16"] = "off"
     """Run the training forward under torch.autocast in this dtype (weights, gradients and Adam state stay in
     model.dtype); on CPU bf16 autocast measured 1.2x faster updates for SmolLM2 (bench/RESULTS.md)."""

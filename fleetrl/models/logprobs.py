@@ -74,15 +74,28 @@ def sequence_logprobs(
     else:
         hidden = (_shared_prompt_hidden(model, prompts_BP, prompt_mask_BP, responses_BR, attention_mask, position_ids)
                   if share_prompts else _response_hidden(model, input_ids, attention_mask, position_ids, P, R))
-        head = _lm_head(model)
-        pieces = []
-        for start in range(0, R, chunk_size):
-            args = (hidden[:, start:start + chunk_size], responses_BR[:, start:start + chunk_size], head,
-                    temperature, return_entropy)
-            pieces.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled()
-                          else _chunk_stats(*args))
-        logp_BR, entropy_BR = (torch.cat(t, dim=1) for t in zip(*pieces))
+        logp_BR, entropy_BR = head_stats(hidden, responses_BR, _lm_head(model), temperature, return_entropy,
+                                         chunk_size)
     return logp_BR * mask, (entropy_BR * mask if return_entropy else None)
+
+
+def head_stats(hidden_BRH: torch.Tensor, responses_BR: torch.Tensor, head: nn.Module, temperature: float,
+               return_entropy: bool, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logp, entropy [B, R] of `responses_BR` from the hidden states that predict them, through `head`.
+
+    With `chunk_size`, `chunk_size` positions at a time, each chunk checkpointed under autograd so its logits are
+    recomputed in backward instead of kept; None = one chunk (logits [B, R, V] kept for backward)."""
+    R = responses_BR.shape[1]
+    if chunk_size is None:
+        return _chunk_stats(hidden_BRH, responses_BR, head, temperature, return_entropy)
+    pieces = []
+    for start in range(0, R, chunk_size):
+        args = (hidden_BRH[:, start:start + chunk_size], responses_BR[:, start:start + chunk_size], head,
+                temperature, return_entropy)
+        pieces.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled()
+                      else _chunk_stats(*args))
+    logp_BR, entropy_BR = (torch.cat(t, dim=1) for t in zip(*pieces))
+    return logp_BR, entropy_BR
 
 
 def _chunk_stats(

@@ -83,7 +83,14 @@ def packed_logprobs(model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: 
         # attention_mask=None is what makes transformers derive the per-sample mask from the position ids
         out = backbone_of(model)(input_ids=pk.input_ids_1N, position_ids=pk.position_ids_1N, attention_mask=None,
                                  use_cache=False)
-    hidden_MH = out.last_hidden_state[0].index_select(0, pk.pred_index_M)
+    return packed_head_stats(model, out.last_hidden_state[0], pk, temperature=temperature,
+                             return_entropy=return_entropy, fused_chunk=fused_chunk)
+
+
+def packed_head_stats(model: nn.Module, hidden_ND: torch.Tensor, pk: Packed, *, temperature: float,
+                      return_entropy: bool, fused_chunk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, R] log-probs (and entropy) from the packed row's hidden states [N, D] (any backbone's)."""
+    hidden_MH = hidden_ND.index_select(0, pk.pred_index_M)
     head = _lm_head(model)
     if fused_chunk is not None and getattr(head, "bias", None) is None:
         logp_M, ent_M = fused_logprobs_entropy(hidden_MH, head.weight, pk.targets_M, temperature=temperature,

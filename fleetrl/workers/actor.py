@@ -10,9 +10,11 @@ from fleetrl import heartbeat
 from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
+from fleetrl.models.decoder import NativeDecoder
 from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
 from fleetrl.models.lora import apply_lora
+from fleetrl.models.native import NativeForward
 from fleetrl.models.packing import PackedForward, padded_token_slots
 from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.layout import pad_response, update_micro_batches
@@ -26,7 +28,7 @@ def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.n
     if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
     model = model.to(ctx.device())
-    if trainable and ctx.cfg.actor.compile and ctx.device().type == "cuda":
+    if trainable and ctx.cfg.actor.compile and ctx.cfg.actor.forward == "hf" and ctx.device().type == "cuda":
         # Per decoder layer rather than the whole model: one graph reused by every layer, no graph breaks
         # from the HF wrapper code, and the fast rollout engine (own forward) is unaffected.
         from fleetrl.engines.training import _decoder_layers
@@ -39,9 +41,11 @@ def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.n
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temperature: float,
                      chunk: int | None, entropy: bool, packed: PackedForward | None = None,
-                     share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     share_prompts: bool = False,
+                     native: NativeForward | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) [B, R] of the response tokens under `model`, micro-batch by micro-batch
-    (token-budget micro-batches through the packed forward when `packed` is given)."""
+    (token-budget micro-batches through the packed forward when `packed` is given; through our own decoder
+    forward, padded or packed as it was built, when `native` is given)."""
     model.eval()
     device = next(model.parameters()).device
     logps, ents = [], []
@@ -49,7 +53,8 @@ def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temper
         heartbeat.beat()
         mb = mb.to(device)
         args = (model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
-        lp, ent = (packed(*args, temperature=temperature, return_entropy=entropy) if packed else
+        forward = native or packed
+        lp, ent = (forward(*args, temperature=temperature, return_entropy=entropy) if forward else
                    sequence_logprobs(*args, temperature=temperature, return_entropy=entropy, chunk_size=chunk,
                                      share_prompts=share_prompts and chunk is not None))
         full_r = mb.meta.get("full_response_len", lp.shape[1])
@@ -75,6 +80,17 @@ def packed_forward(ctx: WorkerContext) -> PackedForward | None:
                          attention=PackedForward.choose_attention(a.packed_attention, ctx.device()))
 
 
+def native_forward(ctx: WorkerContext, model: torch.nn.Module, packed: PackedForward | None,
+                   chunk: int | None) -> NativeForward | None:
+    """Our own decoder forward (actor.forward=native; models/decoder.py), layers compiled under actor.compile on
+    GPU; None for HF's modelling code."""
+    a = ctx.cfg.actor
+    if a.forward != "native":
+        return None
+    backend = "inductor" if a.compile and ctx.device().type == "cuda" else None
+    return NativeForward(NativeDecoder(model, compile_backend=backend), packed=packed, chunk=chunk)
+
+
 class ActorComponent:
     def __init__(self, ctx: WorkerContext, model: torch.nn.Module, dist_info: DistInfo) -> None:
         self.ctx = ctx
@@ -89,6 +105,7 @@ class ActorComponent:
                                      sharded=ctx.cfg.actor.sharding == "fsdp2",
                                      autocast_dtype=None if ctx.cfg.actor.autocast == "off" else dtype_of(ctx.cfg.actor.autocast))
         self.packed = packed_forward(ctx)
+        self.native = native_forward(ctx, model, self.packed, self.chunk)
 
     @property
     def chunk(self) -> int | None:
@@ -99,7 +116,8 @@ class ActorComponent:
     def compute_logprobs(self, batch: Batch) -> Batch:
         logp, ent = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
                                      temperature=gen_temperature(self.ctx), chunk=self.chunk, entropy=True,
-                                     packed=self.packed, share_prompts=self.ctx.cfg.actor.share_prompts)
+                                     packed=self.packed, share_prompts=self.ctx.cfg.actor.share_prompts,
+                                     native=self.native)
         return Batch({"old_logprobs": logp, "entropy": ent})
 
     def update(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
@@ -115,7 +133,8 @@ class ActorComponent:
         need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here
         args = (self.model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
         kw = dict(temperature=gen_temperature(self.ctx), return_entropy=need_entropy)
-        logp, ent = self.packed(*args, **kw) if self.packed else sequence_logprobs(
+        forward = self.native or self.packed
+        logp, ent = forward(*args, **kw) if forward else sequence_logprobs(
             *args, **kw, chunk_size=self.chunk, share_prompts=self.ctx.cfg.actor.share_prompts and self.chunk is not None)
         mask = mb[spec.loss_mask].float()
         agg = dict(agg=algo.loss_agg, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, norm_len=counts.norm_len)
@@ -131,7 +150,7 @@ class ActorComponent:
         share = float(mask.sum()) / max(counts.num_tokens, 1.0)
         metrics = {"actor/pg_loss": float(loss.detach())}
         # Totals (summed over micro-batches and ranks), for padding waste = 1 - real / slots.
-        slots = (self.packed.token_slots if self.packed else padded_token_slots)(mb["prompt_mask"], mb["response_mask"])
+        slots = (forward.token_slots if forward else padded_token_slots)(mb["prompt_mask"], mb["response_mask"])
         metrics.update({"actor/tokens_real": float(slots[0]), "actor/tokens_slots": float(slots[1])})
         metrics.update({f"actor/{k}": float(v) * share for k, v in m.items()})
         if on_policy:  # the recompute pass did not run, so its per-token metrics are measured here

@@ -1,0 +1,181 @@
+"""Our own training forward for the Llama / Qwen2 decoder family (`actor.forward: native`).
+
+Why: compiling HF's decoder layers inside our log-prob path made the e2e update slower, not faster
+(bench/RESULTS.md, "Training-side variants"), while the same compile in a plain loop gave +44%. HF's layer takes a
+4-D mask, rotary tuples and cache arguments, and its attention dispatch is Python we do not control; this forward
+is a few pure-torch functions that `torch.compile(fullgraph=True)` traces whole, with one static shape per
+bucket.
+
+What it reads: the HF modules' own parameters, in place. Projections are *called* (`self_attn.q_proj(h)`), not
+read as matrices, so biases (Qwen2's q/k/v), peft's LoRA wrappers (fleetrl/models/lora.py) and any hooks on them
+apply unchanged, and gradients land on the HF parameters: the optimiser, checkpoints and weight sync see nothing
+different. RMSNorm weights and the rotary `inv_freq` are read from the modules. Shapes come from the fast
+engine's `read_spec` (fleetrl/engines/fast/arch.py), which validates the same family.
+
+Attention: padded rows are compacted so each row's real tokens come first (see `padded_native_logprobs`), after
+which plain causal SDPA with no mask is exact for them; packed rows (fleetrl/models/packing.py) attend within
+their sample through a flex-attention BlockMask (GPU) or a dense block-diagonal causal mask (CPU, tests).
+
+Not supported (config validation says so): FSDP2-sharded actors (this forward calls the backbone's submodules
+directly, outside the root module's FSDP2 hooks, like the packed path) and attention dropout.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fleetrl.engines.fast.arch import SUPPORTED_MODEL_TYPES, DecoderSpec, read_spec
+from fleetrl.errors import UserError
+
+try:  # torch >= 2.5; absent builds fall back to the dense mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask = create_block_mask = flex_attention = None  # type: ignore[assignment,misc]
+
+Mask = torch.Tensor | None  # or a flex BlockMask
+
+
+class NativeForwardError(UserError, ValueError):
+    """actor.forward=native was asked of a model it does not reproduce."""
+
+
+def check_supported(model: nn.Module) -> DecoderSpec:
+    """The decoder's shape; raises NativeForwardError naming the model type and what is supported."""
+    cfg = getattr(model, "config", None)
+    model_type = getattr(cfg, "model_type", type(model).__name__)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NativeForwardError(f"actor.forward=native implements the decoder families {list(SUPPORTED_MODEL_TYPES)}; "
+                                 f"this model's type is {model_type!r}. Set actor.forward=hf (HF modelling code)")
+    try:
+        spec = read_spec(model)
+    except ValueError as err:
+        raise NativeForwardError(f"actor.forward=native cannot reproduce this {model_type} model: {err}. "
+                                 "Set actor.forward=hf") from None
+    if float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
+        raise NativeForwardError(f"actor.forward=native has no attention dropout; this model has "
+                                 f"attention_dropout={cfg.attention_dropout}. Set it to 0 or actor.forward=hf")
+    return spec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As HF's Llama/Qwen2 RMSNorm: normalise in fp32, cast back to x's dtype, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(model: nn.Module, position_ids_BL: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, L, Q] as HF's rotary module computes them (fp32 position * inv_freq, halves duplicated, times
+    attention_scaling, cast to the activations' dtype); inv_freq carries rope_theta and any static rope scaling."""
+    rotary = model.model.rotary_emb
+    inv_freq = rotary.inv_freq.to(device=position_ids_BL.device, dtype=torch.float32)
+    with torch.autocast(position_ids_BL.device.type, enabled=False):
+        freqs = position_ids_BL[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = float(getattr(rotary, "attention_scaling", 1.0))
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def _rotate(x_BHLQ: torch.Tensor, cos_B1LQ: torch.Tensor, sin_B1LQ: torch.Tensor) -> torch.Tensor:
+    half = x_BHLQ.shape[-1] // 2
+    rotated = torch.cat((-x_BHLQ[..., half:], x_BHLQ[..., :half]), dim=-1)
+    return x_BHLQ * cos_B1LQ + rotated * sin_B1LQ
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+    """[B, H, L, Q] attention output; k, v have the KV heads (GQA: each serves num_heads // num_kv_heads)."""
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        return _flex(q.device.type)(q, k, v, block_mask=mask, enable_gqa=True)
+    if mask is None:  # flash SDPA takes GQA directly when there is no mask
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # With a mask, CUDA's SDPA would fall back to its math kernel for GQA; expand the KV heads instead (as HF's
+    # sdpa integration does). Only the dense packed mask (CPU, or packed_attention=sdpa) comes here.
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                          attn_mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _flex(device_type: str) -> Callable[..., torch.Tensor]:
+    """flex_attention, compiled on GPU: called eagerly it materialises the full score matrix (tokens² per head).
+    Inside a compiled layer dynamo inlines this wrapper, so the layer's graph holds the fused kernel either way."""
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+
+
+def decoder_layer(layer: nn.Module, x_BLD: torch.Tensor, cos_BLQ: torch.Tensor, sin_BLQ: torch.Tensor,
+                  spec: DecoderSpec, mask: Mask = None) -> torch.Tensor:
+    """One pre-norm decoder layer of the HF module `layer`: x + attn(norm(x)), then + SwiGLU(norm(x)). [B, L, D]."""
+    B, L, _ = x_BLD.shape
+    att, mlp = layer.self_attn, layer.mlp
+    h = rms_norm(x_BLD, layer.input_layernorm.weight, spec.rms_eps)
+    q = att.q_proj(h).view(B, L, spec.num_heads, spec.head_dim).transpose(1, 2)
+    k = att.k_proj(h).view(B, L, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    v = att.v_proj(h).view(B, L, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    cos, sin = cos_BLQ[:, None], sin_BLQ[:, None]
+    o = _attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask)
+    x_BLD = x_BLD + att.o_proj(o.transpose(1, 2).reshape(B, L, spec.num_heads * spec.head_dim))
+    h = rms_norm(x_BLD, layer.post_attention_layernorm.weight, spec.rms_eps)
+    return x_BLD + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+
+class NativeDecoder:
+    """The backbone forward of one HF Llama/Qwen2 model, optionally with each layer compiled.
+
+    `compile_backend`: None = eager; else `torch.compile(decoder_layer, fullgraph=True, dynamic=False)` with that
+    backend ("inductor" on GPU). One compiled function serves every layer: the layer module is an argument, and
+    with dynamo's inlining of nn.Modules its parameters are graph inputs, not guards on the module's identity.
+    """
+
+    def __init__(self, model: nn.Module, *, compile_backend: str | None = None) -> None:
+        self.spec = check_supported(model)
+        self.layer_fn: Callable[..., torch.Tensor] = decoder_layer
+        if compile_backend is not None:
+            # Every (micro-batch rows, bucketed width) pair is one static-shape compile of this one function; a
+            # long-tailed run meets ~10 of them, past dynamo's default limit of 8, after which it would silently
+            # run the layer eagerly.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self.layer_fn = torch.compile(decoder_layer, backend=compile_backend, fullgraph=True, dynamic=False)
+
+    def hidden(self, model: nn.Module, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor,
+               mask: Mask = None) -> torch.Tensor:
+        """Final-norm hidden states [B, L, D]. mask: None = causal within each row, a bool [B|1, 1, L, L] (True =
+        attend) or a flex BlockMask. Layers are checkpointed when the HF model has gradient checkpointing on."""
+        x = model.model.embed_tokens(input_ids_BL)
+        cos, sin = rope_cos_sin(model, position_ids_BL, x.dtype)
+        recompute = _checkpointing(model) and model.training and torch.is_grad_enabled()
+        for layer in model.model.layers:
+            if recompute:
+                x = checkpoint(self.layer_fn, layer, x, cos, sin, self.spec, mask, use_reentrant=False)
+            else:
+                x = self.layer_fn(layer, x, cos, sin, self.spec, mask)
+        return rms_norm(x, model.model.norm.weight, self.spec.rms_eps)
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether HF's gradient checkpointing is on (transformers >= 5 names it activation checkpointing)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def packed_mask(position_ids_1N: torch.Tensor, flex: bool) -> Mask:
+    """Attention within each packed sample, causal. A sample starts where the position id is 0 (packing.pack
+    restarts positions per sample, the alignment pad included). flex: a BlockMask (work ∝ real blocks); else a
+    dense bool [1, 1, N, N]."""
+    doc_N = (position_ids_1N[0] == 0).long().cumsum(0)
+    N = doc_N.shape[0]
+    if flex:
+        def same_doc_causal(b, h, q, kv):  # noqa: ANN001, ANN202 - flex's mask_mod signature
+            return (doc_N[q] == doc_N[kv]) & (kv <= q)
+
+        # _compile on GPU: the eager builder evaluates mask_mod over a dense N x N grid (16k tokens: 268M cells).
+        return create_block_mask(same_doc_causal, None, None, N, N, device=position_ids_1N.device,
+                                 _compile=position_ids_1N.device.type == "cuda")
+    idx = torch.arange(N, device=position_ids_1N.device)
+    return ((doc_N[:, None] == doc_N[None, :]) & (idx[None, :] <= idx[:, None]))[None, None]
