@@ -8,9 +8,10 @@ re-allocated (e.g. `model.to(...)`), the next call notices the new addresses and
 
 Scheduling: up to `max_batch` slots. Prompts wait in input order; whenever slots are free, waiting prompts are
 prefilled into them (lowest slot first) and join the decode batch. A slot stops at its request's own limit
-(SamplingParams.max_new_tokens_per_sample, else max_new_tokens), so a short sample frees its slot early. Identical prompts admitted together (GRPO's
-n samples of one prompt) are prefilled once and their KV rows copied to the other slots. Every `sync_every` steps the host reads the
-slots' done flags once, harvests finished responses and frees their slots. Nothing else syncs per token.
+(SamplingParams.max_new_tokens_per_sample, else max_new_tokens), so a short sample frees its slot early for a
+waiting prompt. Identical prompts admitted together (GRPO's n samples of one prompt) are prefilled once and their
+KV rows copied to the other slots. Every `sync_every` steps the host reads the slots' done flags once, harvests
+finished responses and frees their slots. Nothing else syncs per token.
 
 Memory: the KV cache is sized by the calls, not by the limits: the first call allocates slots for its batch
 (a power-of-two bucket, at most `max_batch`) and positions for its longest prompt + max_new_tokens (rounded
