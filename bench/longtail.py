@@ -7,8 +7,9 @@ bench/e2e.py's default, mean 335 with sigma 1 and max 1024, gives (measured over
 after clipping, median 203, 5.3% of responses clipped at 1024.
 
 The drawn lengths go into generation as SamplingParams.max_new_tokens_per_sample, so decoding stops there: the
-fast engine frees the slot (and refills it with a waiting prompt when the call has more prompts than slots), the
-hf engine cuts after the fact (engines/protocol.py). The limit stands for EOS: a response that ends at its drawn
+fast engine frees the slot and refills it with a waiting prompt, or, when none waits (a call no larger than the
+engine's max_batch, as in these benches), moves the live tail into a smaller decode batch; the hf engine cuts after
+the fact (engines/protocol.py). The number of decode steps is still the longest drawn length of the call. The limit stands for EOS: a response that ends at its drawn
 length below max_new_tokens is relabelled finish_reason "stop" (the engine reports "length"); one drawn at
 max_new_tokens stays "length". Its sampled tokens and log-probs are the engine's own, so the rollout log-probs
 stay exact. `install` patches the rollout component of the process it runs in: call it in-process

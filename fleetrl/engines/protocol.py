@@ -30,7 +30,8 @@ class SamplingParams:
     max_new_tokens_per_sample: torch.Tensor | None = field(default=None, compare=False)
     """[B] integer tensor, each sample's own limit in 1..max_new_tokens (None: max_new_tokens for all). A sample
     that reaches it finishes with FINISH_LENGTH. The fast engine stops that slot there (and refills it with a
-    waiting prompt); the hf engine generates to the batch's end and cuts afterwards (same tokens, not faster)."""
+    waiting prompt, or moves the live slots into a smaller decode batch); the hf engine generates to the largest
+    limit and cuts each sample afterwards (the same tokens, faster only when every limit is below max_new_tokens)."""
 
 
 def response_limits(params: SamplingParams, batch: int) -> torch.Tensor:

@@ -37,6 +37,25 @@ def test_fast_engine_stops_each_slot_at_its_limit_and_refills_it():
     assert (limited_run.stats["decode_steps"], free_run.stats["decode_steps"]) == (7, 12)
 
 
+def test_fast_engine_moves_a_long_tail_into_a_small_decode_batch():
+    ids, mask = left_padded([3, 9, 6, 1, 4, 5, 2, 7])
+    limits = [1, 2, 1, 3, 1, 1, 2, 7]  # slot 7 outlives the rest: without moving it every step computes 8 slots
+    free_run = engine(tiny_model("qwen2"), None, max_batch=8, sync_every=1)
+    unlimited = free_run.generate(ids, mask, _params(None))
+    eng = engine(tiny_model("qwen2"), None, max_batch=8, sync_every=1)
+    limited = eng.generate(ids, mask, _params(limits))
+    assert limited.response_mask.sum(1).tolist() == limits
+    for i, n in enumerate(limits):
+        assert torch.equal(limited.responses[i, :n], unlimited.responses[i, :n]), f"sample {i}"
+        torch.testing.assert_close(limited.logprobs[i, :n], unlimited.logprobs[i, :n], rtol=1e-5, atol=1e-5)
+    # Step 1 decodes all 8 slots (the host learns which ended only at the sync after it). It ends limits 1 and 2:
+    # samples 3 (slot 3, 2 of 3 tokens) and 7 (slot 7) live on, bucket 2, so they move to slots 0 and 1. Step 2
+    # ends sample 3; sample 7 alone needs bucket 1 and moves to slot 0 for its remaining 4 steps (7 tokens = 6
+    # steps). Rows: 8 + 2 + 4 = 14 with 3 moves, against 6 steps x 8 = 48 unmoved.
+    assert eng.stats["decode_steps"] == 6 and eng.stats["decode_rows"] == 14 and eng.stats["moved_slots"] == 3
+    assert free_run.stats["decode_rows"] == 6 * 8 and free_run.stats["moved_slots"] == 0
+
+
 def test_hf_engine_cuts_each_sample_at_its_limit():
     tok = build_tiny_tokenizer()
     texts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)

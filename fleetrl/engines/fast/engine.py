@@ -9,7 +9,8 @@ re-allocated (e.g. `model.to(...)`), the next call notices the new addresses and
 Scheduling: up to `max_batch` slots. Prompts wait in input order; whenever slots are free, waiting prompts are
 prefilled into them (lowest slot first) and join the decode batch. A slot stops at its request's own limit
 (SamplingParams.max_new_tokens_per_sample, else max_new_tokens), so a short sample frees its slot early for a
-waiting prompt. Identical prompts admitted together (GRPO's n samples of one prompt) are prefilled once and their
+waiting prompt; when none waits, the live slots above the bucket their number needs move down into freed ones
+(`_compact`), so a long tail decodes in a small batch. Identical prompts admitted together (GRPO's n samples of one prompt) are prefilled once and their
 KV rows copied to the other slots. Every `sync_every` steps the host reads the slots' done flags once, harvests
 finished responses and frees their slots. Nothing else syncs per token.
 
@@ -86,7 +87,8 @@ class FastRolloutEngine:
         self._graphs: DecodeGraphs | None = None
         self._fingerprint: tuple[int, ...] = ()
         self.weights_version = 0
-        self.stats = {"decode_steps": 0, "prefills": 0, "prefilled_prompts": 0, "syncs": 0}
+        self.stats = {"decode_steps": 0, "decode_rows": 0, "prefills": 0, "prefilled_prompts": 0, "syncs": 0,
+                      "moved_slots": 0}
 
     # ------------------------------------------------------------------------------------------ protocol
     @torch.no_grad()
@@ -233,11 +235,35 @@ class FastRolloutEngine:
                 for s in finished:
                     counts[running.pop(s)] = int(flags[1, s])
                     heapq.heappush(free, s)
+            if running and not pending:  # nothing to refill the freed slots with: shrink the decode batch instead
+                self._compact(buf, running, length, sampled, free, buckets)
         reqs = [r for p in parts for r in p[0]]
         order = torch.empty(len(rows), dtype=torch.long)
         order[torch.tensor(reqs)] = torch.arange(len(rows))
         order = order.to(self.device)
         return (torch.cat([p[1] for p in parts])[order], torch.cat([p[2] for p in parts])[order], counts)
+
+    def _compact(self, buf: SlotBuffers, running: dict[int, int], length: dict[int, int], sampled: dict[int, int],
+                 free: list[int], buckets: list[int]) -> None:
+        """Moves the live slots above the bucket their number needs into free slots below it (KV rows and every
+        per-slot buffer; the random stream is keyed by request and count, so the samples do not change). Without
+        it a long tail decodes in the call's full bucket: a step computes every slot below the highest live one."""
+        target = bucket_for(len(running), buckets)
+        movers = sorted(s for s in running if s >= target)
+        if not movers:
+            return
+        holes = sorted(s for s in free if s < target)[: len(movers)]  # enough: len(running) <= target
+        src, dst = torch.tensor(movers, device=self.device), torch.tensor(holes, device=self.device)
+        width = min(max(length[s] + sampled[s] for s in movers), buf.seq_len)
+        buf.k[:, dst, :, :width] = buf.k[:, src, :, :width]
+        buf.v[:, dst, :, :width] = buf.v[:, src, :, :width]
+        for t in (buf.tokens, buf.pos, buf.done, buf.count, buf.limit, buf.req, buf.out_tok, buf.out_lp):
+            t[dst] = t[src]
+        buf.done[src] = True
+        for a, b in zip(movers, holes):
+            running[b], length[b], sampled[b] = running.pop(a), length.pop(a), sampled.pop(a)
+        free[:] = sorted((set(free) - set(holes)) | set(movers))  # a sorted list is a valid heap
+        self.stats["moved_slots"] += len(movers)
 
     def _prefill(self, buf: SlotBuffers, rows: list[torch.Tensor], admit: list[tuple[int, int]], limits: list[int],
                  key: SamplerKey) -> None:
@@ -275,6 +301,7 @@ class FastRolloutEngine:
 
     def _decode(self, nb: int, kv_len: int, key: SamplerKey) -> None:
         self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += nb  # slots a step computes, live or not
         if self._graphs is None:
             self._step((nb, kv_len, key))
             return
