@@ -13,7 +13,7 @@ measured steps / 2, and each pool's idle fraction of that time:
     async  actor idle = 1 - (logprobs + update_actor + sync) / step; rollout idle = gaps between the rollout
            worker's generate calls (train/async/rollout_idle_s) / step
 
-    PYTHONPATH=. python bench/async_e2e.py [--modes sync,async] [--steps 8] [--warmup 2] [--out DIR]
+    PYTHONPATH=. python bench/async_e2e.py [--modes sync,async] [--steps 8] [--warmup 2] [--out DIR] [--tag _pk]
     PYTHONPATH=. python bench/async_e2e.py --smoke     # CPU, tiny model, 4 steps: checks the script end to end
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         ray.shutdown()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/time/step" in r][args.warmup:]
-    return summarize(mode, rows, time.time() - t0)
+    return summarize(mode, rows, time.time() - t0) | {"tag": args.tag, "overrides": args.overrides}
 
 
 def summarize(mode: str, rows: list[dict], wall: float) -> dict:
@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, short responses: checks the script")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench"))
+    ap.add_argument("--tag", default="", help="suffix of the JSON file names (a variant, e.g. _packed)")
     ap.add_argument("overrides", nargs="*", help="config overrides applied to both modes (key=value)")
     args = ap.parse_args()
     if args.smoke:
@@ -115,7 +116,7 @@ def main() -> None:
     results = {}
     for mode in args.modes.split(","):  # one file per mode: each mode fits one 10-minute device call
         results[mode] = run_mode(mode, args)
-        path = Path(args.out) / f"async_e2e_{mode}{'_smoke' if args.smoke else ''}.json"
+        path = Path(args.out) / f"async_e2e_{mode}{args.tag}{'_smoke' if args.smoke else ''}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results[mode], indent=1))
         print("RESULT " + json.dumps(results[mode]))

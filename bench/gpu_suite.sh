@@ -12,9 +12,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync multiturn native nativepk trainnative checknative
-# The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md).
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativepk trainnative checknative
+# The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
+# packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
+ASYNC_PACKED_SET=${ASYNC_PACKED_SET:-algorithm.micro_batch_tokens=16384 actor.fused_logprob_chunk=4096}
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -70,6 +72,12 @@ for p in $PARTS; do case $p in
     run async_e2e_sync 580 python3 bench/async_e2e.py --modes sync --steps 6 --warmup 2 --out "$OUT" $ASYNC_SET ;;
   asyncasync)  # issue 15: 1 rollout GPU generating while 1 actor GPU trains, max_staleness 1, TIS
     run async_e2e_async 580 python3 bench/async_e2e.py --modes async --steps 6 --warmup 2 --out "$OUT" $ASYNC_SET ;;
+  asyncsyncpk)  # asyncsync with packed micro-batches (ASYNC_PACKED_SET)
+    run async_e2e_sync_packed 580 python3 bench/async_e2e.py --modes sync --steps 6 --warmup 2 --tag _packed \
+      --out "$OUT" $ASYNC_PACKED_SET ;;
+  asyncasyncpk)  # asyncasync with packed micro-batches (ASYNC_PACKED_SET)
+    run async_e2e_async_packed 580 python3 bench/async_e2e.py --modes async --steps 6 --warmup 2 --tag _packed \
+      --out "$OUT" $ASYNC_PACKED_SET ;;
   multiturn)  # 4-turn episodes against the fixed_turns throughput env: model/env tokens/s, engine idle time
     run e2e1_multiturn 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/multiturn.py --engine fast --steps 5 --out "$OUT"
     run e2e1_multiturn_latency 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/multiturn.py --engine fast --steps 5 \
@@ -81,14 +89,17 @@ import json, pathlib, sys
 rows = []
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     d = json.loads(f.read_text())
-    rows.append({k: d.get(k) for k in ("bench", "gpus", "engine", "mode", "lengths", "step_s", "tokens_per_s_per_gpu", "phases_s",
+    rows.append({k: d.get(k) for k in ("bench", "gpus", "engine", "mode", "tag", "lengths", "step_s", "tokens_per_s_per_gpu", "phases_s",
                                        "padding_waste", "update_mfu", "peak_gpu_mem_gib", "pool_idle_frac", "model_tokens_per_s",
                                        "env_tokens_per_s", "turns_per_episode", "engine_idle_s", "idle_share", "error")}
                 | {"file": f.name})
-modes = {r["mode"]: r for r in rows if r["bench"] == "async_e2e"}
-if {"sync", "async"} <= set(modes):  # bench/async_e2e.py: the issue's target is >= 1.5
-    rows.append({"bench": "async_e2e", "speedup": modes["async"]["tokens_per_s_per_gpu"] / modes["sync"]["tokens_per_s_per_gpu"],
-                 "pool_idle_frac": {m: modes[m]["pool_idle_frac"] for m in ("sync", "async")}})
+modes = {(r["mode"], r["tag"] or ""): r for r in rows if r["bench"] == "async_e2e"}
+for tag in sorted({t for _, t in modes}):  # bench/async_e2e.py, per variant: the issue's target is >= 1.5
+    if ("sync", tag) in modes and ("async", tag) in modes:
+        pair = {m: modes[(m, tag)] for m in ("sync", "async")}
+        rows.append({"bench": "async_e2e", "tag": tag,
+                     "speedup": pair["async"]["tokens_per_s_per_gpu"] / pair["sync"]["tokens_per_s_per_gpu"],
+                     "pool_idle_frac": {m: pair[m]["pool_idle_frac"] for m in pair}})
 pathlib.Path(sys.argv[1], "summary.txt").write_text("\n".join(json.dumps(r) for r in rows))
 print("\n".join(json.dumps(r) for r in rows))
 PY

@@ -6,13 +6,18 @@ drawn from a generator seeded with (seed, step); mu = ln(mean) - sigma²/2 makes
 bench/e2e.py's default, mean 335 with sigma 1 and max 1024, gives (measured over 51,200 draws) a mean of 300
 after clipping, median 203, 5.3% of responses clipped at 1024.
 
-It is applied to the rollout component's output (the cut token stands for EOS: its sampled id and log-prob
-are kept, so the rollout log-probs stay exact and finish_reason says "stop"). Decoding itself still runs to
-max_new_tokens, so the `generate` time of this workload is an upper bound; the training phases (log-probs,
-update) see exactly the long-tailed batch. In-process only: patch before the run (cluster.backend=local).
+The drawn lengths go into generation as SamplingParams.max_new_tokens_per_sample, so decoding stops there: the
+fast engine frees the slot and refills it with a waiting prompt, or, when none waits (a call no larger than the
+engine's max_batch, as in these benches), moves the live tail into a smaller decode batch; the hf engine cuts after
+the fact (engines/protocol.py). The number of decode steps is still the longest drawn length of the call. The limit stands for EOS: a response that ends at its drawn
+length below max_new_tokens is relabelled finish_reason "stop" (the engine reports "length"); one drawn at
+max_new_tokens stays "length". Its sampled tokens and log-probs are the engine's own, so the rollout log-probs
+stay exact. `install` patches the rollout component of the process it runs in: call it in-process
+(cluster.backend=local, bench/e2e.py) or in every Ray worker (a worker_process_setup_hook, bench/async_e2e.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -31,34 +36,35 @@ def draw_lengths(n: int, *, mean: float, max_len: int, seed: int, step: int) -> 
     return x.round().clamp(1, max_len).long()
 
 
-def cut(out: Batch, lengths: torch.Tensor) -> Batch:
-    """Responses cut after lengths[i] tokens (never lengthened); columns past the longest one dropped."""
-    mask = out["response_mask"]
-    keep = torch.minimum(lengths, mask.sum(1))
-    cols = torch.arange(mask.shape[1])[None, :]
-    new_mask = (cols < keep[:, None]).long() * mask
-    width = max(int(keep.max()), 1)
-    reasons = ["stop" if k < int(n) else r for k, n, r in zip(keep.tolist(), mask.sum(1).tolist(),
-                                                               out.fields["finish_reason"])]
-    per_sample = {k: v for k, v in out.tensors.items() if v.dim() == 1}  # e.g. weights_version: kept as is
-    return Batch({**per_sample, "responses": (out["responses"] * new_mask)[:, :width],
-                  "response_mask": new_mask[:, :width], "rollout_logprobs": (out["rollout_logprobs"] * new_mask)[:, :width]},
-                 {**out.fields, "finish_reason": reasons}, dict(out.meta))
+def mark_synthetic_stops(out: Batch, max_new_tokens: int) -> Batch:
+    """finish_reason "stop" for responses that ended at their drawn limit below max_new_tokens (see above)."""
+    lengths = out["response_mask"].sum(1).tolist()
+    reasons = ["stop" if r == "length" and n < max_new_tokens else r
+               for r, n in zip(out.fields["finish_reason"], lengths)]
+    return Batch(dict(out.tensors), {**out.fields, "finish_reason": reasons}, dict(out.meta))
 
 
 def install(*, mean: float | None, max_len: int, seed: int, stats: list[dict]) -> None:
-    """Patches RolloutComponent.generate with the stop rule (none when `mean` is None: fixed lengths) and
-    appends per-call token counts to `stats` (for the update's FLOPs)."""
-    original = rollout.RolloutComponent.generate
+    """Patches RolloutComponent with the stop rule (none when `mean` is None: fixed lengths) and appends per-call
+    token counts to `stats` (for the update's FLOPs)."""
+    original_params, original_generate = rollout.RolloutComponent.sampling_params, rollout.RolloutComponent.generate
+
+    def sampling_params(self, batch, req):  # noqa: ANN001, ANN202
+        params = original_params(self, batch, req)
+        if mean is None:
+            return params
+        limits = draw_lengths(len(batch), mean=mean, max_len=max_len, seed=seed, step=req.step)
+        return dataclasses.replace(params, max_new_tokens_per_sample=limits)
 
     def generate(self, batch, req):  # noqa: ANN001, ANN202
-        out = original(self, batch, req)
+        out = original_generate(self, batch, req)
         if mean is not None:
-            out = cut(out, draw_lengths(len(batch), mean=mean, max_len=max_len, seed=seed, step=req.step))
+            out = mark_synthetic_stops(out, self.ctx.cfg.rollout.max_new_tokens)
         seq = batch["prompt_mask"].sum(1) + out["response_mask"].sum(1)
         stats.append({"step": req.step, "samples": len(batch), "response_tokens": int(out["response_mask"].sum()),
                       "tokens": int(seq.sum()), "sum_len_sq": float((seq.double() ** 2).sum()),
                       "max_response": int(out["response_mask"].sum(1).max())})
         return out
 
+    rollout.RolloutComponent.sampling_params = sampling_params
     rollout.RolloutComponent.generate = generate

@@ -19,8 +19,10 @@ w_b = exp(sum_t (old_logp - rollout_logp)), broadcast to its tokens (truncating 
 The weights are constants for the update: pass them as `is_weights_BT` to any POLICY_LOSSES entry.
 
 The same weights are the off-policy correction of asynchronous training (trainer.mode=async, docs/async.md):
-there pi_rollout is the behaviour policy of an older weights version and pi_old the recomputed current one
-(decoupled PPO, Fu et al. 2025, AReaL), so staleness and kernel mismatch are corrected together.
+there pi_rollout is the behaviour policy of an older weights version and pi_old the current one (decoupled PPO,
+Fu et al. 2025, AReaL), so staleness and kernel mismatch are corrected together. pi_old comes from the recompute
+pass, or with one optimiser step per batch from the update's own forward: the actor loss then calls this per
+micro-batch (workers/actor.py), which equals the whole batch's call since a sequence is never split.
 """
 from __future__ import annotations
 
@@ -93,8 +95,8 @@ def rollout_correction(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Importance weights [B, T] (0 where mask_BT is 0) and their statistics, for `is_weights_BT`.
 
-    old_logp_BT: trainer log-probs of the sampled tokens under the weights that generated them (the old-logprob
-    pass); rollout_logp_BT: the engine's log-probs of the same tokens; mask_BT: response mask. All [B, T].
+    old_logp_BT: trainer log-probs of the sampled tokens under the proximal policy (the old-logprob pass, or the
+    update's own forward, detached); rollout_logp_BT: the engine's log-probs of the same tokens; mask_BT: response mask. All [B, T].
     cap bounds tis / mis; [low, high] is the band icepop keeps.
     Metrics (detached scalars over valid tokens; a sequence-level ratio counts once per token of its sequence):
       rollout_is/ratio_mean, ratio_max, ratio_min   the raw ratio w at the chosen level, before correction

@@ -82,11 +82,15 @@ class Plan:
     """KL in the reward with an outcome estimator (grpo, drgrpo, rloo), which sees one number per sequence: the
     penalty coef·Σ_t kl_t is folded into the sequence score (algo.fold_kl_into_scores) instead of token rewards."""
     rollout_correction: bool
-    """algorithm.rollout_correction.mode != none: importance weights old/rollout multiply the policy loss (the
-    old-logprob pass then always runs: the weights need the trainer's log-probs)."""
+    """algorithm.rollout_correction.mode != none: importance weights old/rollout multiply the policy loss."""
     recompute_logprobs: bool
-    """False when the update is fully on-policy (1 epoch, 1 mini-batch): the old log-probs are the update's own,
-    detached, and the rollout's stand for them wherever they are needed before the update."""
+    """False when the update is fully on-policy (1 epoch, 1 mini-batch): the old (proximal) log-probs are the
+    update's own, detached, and the rollout's stand for them wherever they are needed before the update. Also
+    in async mode and with a rollout correction; but a stale pipeline with a KL penalty in the reward or an
+    adaptive KL controller recomputes, as those read the trained policy's log-probs before the update."""
+    correction_in_loss: bool = False
+    """rollout_correction without a recompute pass: the actor loss computes the weights from its own detached
+    log-probs (workers/messages.py CorrectionSpec); otherwise the controller computes them from the pass's."""
     rollout: EngineSizes
     val_batch_prompts: int
     """Prompts per validation generate call (at least one per rollout worker)."""
@@ -140,6 +144,7 @@ class Plan:
             "recompute_logprobs": self.recompute_logprobs,
             "kl_into_score": self.kl_into_score,
             "rollout_correction": self.rollout_correction,
+            "correction_in_loss": self.correction_in_loss,
             "ref_from_actor": self.ref_from_actor,
             "total_steps": self.total_steps,
             "actor_optimizer_steps": self.actor_optimizer_steps,
@@ -186,9 +191,14 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     on_policy = n_mini == 1 and epochs == 1
     correction = cfg.algorithm.rollout_correction.mode != "none"
     pipeline = derive_async(cfg, roles, world["rollout"])
-    # Samples older than the policy being trained: the PPO ratio needs that policy's own log-probs, recomputed
-    # (decoupled PPO, AReaL: proximal = recomputed, behaviour = the rollout's, weighted by the rollout correction).
+    # Decoupled PPO (AReaL, Fu et al. 2025): proximal policy = the one being trained, behaviour = the rollout's,
+    # weighed by the rollout correction. With one optimiser step per batch the proximal policy is the update
+    # forward's own, so no pass recomputes it, even for stale samples. Only a KL read before the update (reward
+    # penalty, adaptive controller) needs it then: the rollout's log-probs are k versions old.
     stale = pipeline is not None and pipeline.max_staleness > 0
+    kl = cfg.algorithm.kl
+    kl_before_update = use_ref and (kl.placement == "reward" or kl.controller == "adaptive")
+    recompute = cfg.algorithm.recompute_logprobs == "always" or not on_policy or (stale and kl_before_update)
     val_prompts = max(world["rollout"], cfg.data.prompts_per_step)
     return Plan(config=cfg, pools=FrozenDict(pools), roles=FrozenDict(roles), world=FrozenDict(world),
                 use_critic=use_critic, use_ref=use_ref, rollout_colocated=roles["rollout"] == roles["actor"],
@@ -197,8 +207,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 total_steps=total, actor_optimizer_steps=max(actor_steps, 1),
                 critic_optimizer_steps=total * n_mini * epochs,
                 kl_into_score=cfg.algorithm.kl.placement == "reward" and is_outcome_estimator(cfg.algorithm.advantage),
-                rollout_correction=correction,
-                recompute_logprobs=cfg.algorithm.recompute_logprobs == "always" or not on_policy or correction or stale,
+                rollout_correction=correction, recompute_logprobs=recompute, correction_in_loss=correction and not recompute,
                 rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts, pipeline),
                 val_batch_prompts=val_prompts, pipeline=pipeline,
                 action_mask="loss_mask" if cfg.rollout.env else "response_mask",

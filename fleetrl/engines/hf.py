@@ -27,6 +27,7 @@ from fleetrl.engines.protocol import (
     FINISH_STOP,
     GenerationOutput,
     SamplingParams,
+    response_limits,
 )
 from fleetrl.models.logprobs import sequence_logprobs
 
@@ -60,6 +61,7 @@ class HFRolloutEngine:
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> GenerationOutput:
         """prompts/prompt_mask [B, P] left-padded -> right-padded responses [B, R], R <= max_new_tokens."""
         _check_inputs(prompts, prompt_mask, params)
+        limits = response_limits(params, prompts.shape[0])
         if self._asleep:
             raise RuntimeError("HFRolloutEngine.generate called while asleep; call wake() first")
         prompts, prompt_mask = prompts.to(self.device), prompt_mask.to(self.device)
@@ -70,9 +72,10 @@ class HFRolloutEngine:
         self.model.eval()
         try:
             with torch.no_grad():
-                sequences = self._sample(prompts, prompt_mask, params, stop_ids, seed)
+                # no row needs more than the largest limit; the rows below it are cut after the fact (_finish)
+                sequences = self._sample(prompts, prompt_mask, params, stop_ids, seed, int(limits.max()))
                 responses, mask, finish = _finish(sequences[:, prompts.shape[1]:], stop_ids, params.stop_strings,
-                                                  self.tokenizer)
+                                                  self.tokenizer, limits.to(sequences.device))
                 logprobs = self._logprobs(prompts, prompt_mask, responses, mask, params)
         finally:
             self.model.train(was_training)
@@ -119,11 +122,11 @@ class HFRolloutEngine:
         return list(dict.fromkeys(i for i in ids if i is not None))
 
     def _sample(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-                stop_ids: list[int], seed: int) -> torch.Tensor:
+                stop_ids: list[int], seed: int, max_new_tokens: int) -> torch.Tensor:
         pad_id, bos_id = self.tokenizer.pad_token_id, self.tokenizer.bos_token_id
         sampling = ({"do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
                      "top_k": params.top_k} if params.temperature > 0 else {"do_sample": False})
-        config = GenerationConfig(max_new_tokens=params.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+        config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
                                   bos_token_id=bos_id, use_cache=True, **sampling)
         criteria = StoppingCriteriaList([_Beat()])
         if params.stop_strings:
@@ -182,9 +185,12 @@ class _StopStrings(StoppingCriteria):
 
 
 def _finish(responses: torch.Tensor, stop_ids: list[int], stop_strings: Sequence[str],
-            tokenizer: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Cuts each row after its first stop token or stop-string match: (responses, mask, finish_reasons), with
-    pad ids after the end and R trimmed to the longest response."""
+            tokenizer: PreTrainedTokenizerBase,
+            limits_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Cuts each row after its first stop token or stop-string match, or at its own limit (limits_B [B], per-sample
+    max new tokens; a row cut there finishes with "length"): (responses, mask, finish_reasons), with pad ids after
+    the end and R trimmed to the longest response. generate() itself ran every row to the batch's end: the cut is
+    after the fact, so the tokens before a limit are exactly an unlimited call's."""
     B, R = responses.shape
     is_stop = torch.isin(responses, torch.tensor(stop_ids, dtype=responses.dtype, device=responses.device))
     end = torch.where(is_stop.any(1), is_stop.int().argmax(1), torch.full((B,), R, device=responses.device))
@@ -195,6 +201,9 @@ def _finish(responses: torch.Tensor, stop_ids: list[int], stop_strings: Sequence
                 end[row] = hit
     stopped = end < R
     length = torch.where(stopped, end + 1, end)
+    if limits_B is not None:
+        over = length > limits_B
+        length, stopped = torch.where(over, limits_B, length), stopped & ~over
     mask = (torch.arange(R, device=responses.device)[None, :] < length[:, None]).long()
     width = int(length.max()) if B else 0
     responses = torch.where(mask.bool(), responses, torch.full_like(responses, tokenizer.pad_token_id))

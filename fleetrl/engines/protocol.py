@@ -27,6 +27,29 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's EOS
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None  # generator seed for this call; None = engine's running generator
+    max_new_tokens_per_sample: torch.Tensor | None = field(default=None, compare=False)
+    """[B] integer tensor, each sample's own limit in 1..max_new_tokens (None: max_new_tokens for all). A sample
+    that reaches it finishes with FINISH_LENGTH. The fast engine stops that slot there (and refills it with a
+    waiting prompt, or moves the live slots into a smaller decode batch); the hf engine generates to the largest
+    limit and cuts each sample afterwards (the same tokens, faster only when every limit is below max_new_tokens)."""
+
+
+def response_limits(params: SamplingParams, batch: int) -> torch.Tensor:
+    """[batch] long: each sample's max new tokens, validated (ValueError naming the field)."""
+    limits = params.max_new_tokens_per_sample
+    if limits is None:
+        return torch.full((batch,), params.max_new_tokens, dtype=torch.long)
+    if limits.shape != (batch,) or limits.dtype.is_floating_point or limits.dtype == torch.bool:
+        raise ValueError(f"SamplingParams.max_new_tokens_per_sample must be an integer tensor of shape [{batch}] "
+                         f"(one limit per prompt of the call); got {limits.dtype} of shape {tuple(limits.shape)}")
+    limits = limits.detach().cpu().long()
+    bad = ((limits < 1) | (limits > params.max_new_tokens)).nonzero().flatten()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"SamplingParams.max_new_tokens_per_sample[{i}] = {int(limits[i])} is outside "
+                         f"1..max_new_tokens={params.max_new_tokens} ({len(bad)} of {batch} samples are); raise "
+                         "max_new_tokens or clamp the limits")
+    return limits
 
 
 @dataclass

@@ -38,7 +38,7 @@ from fleetrl.trainer.signals import Interrupted, StopSignal
 from fleetrl.trainer.validate import validate
 from fleetrl.workers.episodes import generate_keys
 from fleetrl.workers.layout import arrange_update
-from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
+from fleetrl.workers.messages import CorrectionSpec, GenerateRequest, UpdateMetrics, UpdateSpec
 from fleetrl.workers.worker import Worker
 
 log = logging.getLogger("fleetrl.trainer")
@@ -160,7 +160,7 @@ class Trainer:
                 batch = batch.update(self.group("actor").call_split(Worker.compute_logprobs, seq))
             if self.plan.use_ref:
                 batch = batch.update(self.group("ref").call_split(Worker.compute_ref_logprobs, seq))
-            if self.plan.rollout_correction:  # over the whole batch: max/min do not survive per-rank shares
+            if self.plan.rollout_correction and not self.plan.correction_in_loss:  # else the actor loss does it
                 c = self.cfg.algorithm.rollout_correction
                 w, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], batch[self.plan.action_mask],
                                               mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
@@ -182,7 +182,9 @@ class Trainer:
         mask = batch[self.plan.action_mask].float()
         scores, token_rewards = batch["scores"], None
         if self.plan.use_ref:
-            # Without a recompute pass the rollout's own log-probs stand for the policy's (same weights).
+            # Without a recompute pass the rollout's own log-probs stand for the policy's: same weights, or (a stale
+            # pipeline) KL only in the loss, where the update's forward supplies them; this number is then the KL
+            # of the sampling policy (the Plan recomputes when the reward or an adaptive controller reads it).
             logp = batch["old_logprobs"] if self.plan.recompute_logprobs else batch["rollout_logprobs"]
             kl_bt = kl_estimate(logp, batch["ref_logprobs"], algo.kl.estimator) * mask
             seq_kl = float(masked_mean(kl_bt, mask))
@@ -209,7 +211,7 @@ class Trainer:
             keys = [*SEQ_KEYS, "advantages", "rollout_logprobs"]
             keys += ["old_logprobs"] if self.plan.recompute_logprobs else []
             keys += ["ref_logprobs"] if self.cfg.algorithm.kl.placement == "loss" else []
-            keys += ["is_weights"] if self.plan.rollout_correction else []
+            keys += ["is_weights"] if self.plan.rollout_correction and not self.plan.correction_in_loss else []
             keys += ["loss_mask"] if self.cfg.algorithm.overlong.mask_truncated or self.cfg.rollout.env else []
             with self._timed("update_actor"):
                 metrics.update(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
@@ -220,9 +222,13 @@ class Trainer:
         loss_mask = "loss_mask" if truncated else self.plan.action_mask
         parts, minis = arrange_update(batch, self.plan.num_mini_batches, self.plan.world[role],
                                       norm_len=float(self.cfg.rollout.max_response_tokens), mask_key=loss_mask)
+        actor, in_loss = role == "actor", self.plan.correction_in_loss
+        c = self.cfg.algorithm.rollout_correction
         spec = UpdateSpec(minis=minis, kl_coef=self.kl_ctl.coef,
                           old_logprobs="recomputed" if self.plan.recompute_logprobs else "current",
-                          is_weights=role == "actor" and self.plan.rollout_correction, loss_mask=loss_mask)
+                          is_weights=actor and self.plan.rollout_correction and not in_loss, loss_mask=loss_mask,
+                          correction=CorrectionSpec(mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
+                          if actor and in_loss else None)
         return UpdateMetrics.reduce(self.group(role).call_parts(method, parts, spec))
 
     def sync(self) -> None:

@@ -7,7 +7,7 @@ from contextlib import nullcontext
 import torch
 
 from fleetrl import heartbeat
-from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss
+from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss, rollout_correction
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models.decoder import NativeDecoder
@@ -18,7 +18,7 @@ from fleetrl.models.native import NativeForward
 from fleetrl.models.packing import PackedForward, padded_token_slots
 from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.layout import pad_response, update_micro_batches
-from fleetrl.workers.messages import MiniBatchCounts, UpdateMetrics, UpdateSpec
+from fleetrl.workers.messages import CorrectionSpec, Extreme, MiniBatchCounts, UpdateMetrics, UpdateSpec
 from fleetrl.workers.update import run_update
 
 
@@ -126,7 +126,8 @@ class ActorComponent:
                           loss_fn=lambda mb, counts: self._loss(mb, counts, spec), prefix="actor",
                           micro_batch_tokens=self.packed.max_tokens if self.packed else None)
 
-    def _loss(self, mb: Batch, counts: MiniBatchCounts, spec: UpdateSpec) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, mb: Batch, counts: MiniBatchCounts,
+              spec: UpdateSpec) -> tuple[torch.Tensor, dict[str, float | Extreme]]:
         algo = self.ctx.cfg.algorithm
         mb = mb.to(self.ctx.device())
         on_policy = spec.old_logprobs == "current"
@@ -141,14 +142,18 @@ class ActorComponent:
         # On-policy (no recompute pass): old = this forward's own detached log-probs, so the ratio is exactly 1
         # and the gradient is the policy gradient.
         old = logp.detach().float() if on_policy else mb["old_logprobs"]
-        loss, m = POLICY_LOSSES.get(algo.policy_loss)(
-            logp.float(), old, mb["advantages"], mask, clip_low=algo.clip_low,
-            clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-            is_weights_BT=mb["is_weights"] if spec.is_weights else None, **agg)
         # Metrics are returned as shares of the global mean: the micro-batch's token fraction weights them,
         # so summing over micro-batches and ranks gives the mini-batch mean.
         share = float(mask.sum()) / max(counts.num_tokens, 1.0)
-        metrics = {"actor/pg_loss": float(loss.detach())}
+        metrics: dict[str, float | Extreme] = {}
+        is_weights = mb["is_weights"] if spec.is_weights else None
+        if spec.correction is not None:  # old = this forward, so pi_old / pi_rollout is known only now
+            is_weights, corr = _in_loss_correction(old, mb["rollout_logprobs"], mask, spec.correction, share)
+            metrics.update(corr)
+        loss, m = POLICY_LOSSES.get(algo.policy_loss)(
+            logp.float(), old, mb["advantages"], mask, clip_low=algo.clip_low,
+            clip_high=algo.clip_high, dual_clip=algo.dual_clip, is_weights_BT=is_weights, **agg)
+        metrics["actor/pg_loss"] = float(loss.detach())
         # Totals (summed over micro-batches and ranks), for padding waste = 1 - real / slots.
         slots = (forward.token_slots if forward else padded_token_slots)(mb["prompt_mask"], mb["response_mask"])
         metrics.update({"actor/tokens_real": float(slots[0]), "actor/tokens_slots": float(slots[1])})
@@ -170,13 +175,30 @@ class ActorComponent:
 
 @torch.no_grad()
 def _rollout_agreement(logp_BT: torch.Tensor, ent_BT: torch.Tensor, rollout_logp_BT: torch.Tensor,
-                       mask_BT: torch.Tensor, share: float) -> dict[str, float]:
-    """Entropy and |trainer − rollout| log-prob gap, as shares of the mini-batch mean (named as the controller
-    names them when the recompute pass measures them instead)."""
+                       mask_BT: torch.Tensor, share: float) -> dict[str, float | Extreme]:
+    """Entropy and |trainer − rollout| log-prob gap, as shares of the mini-batch mean, and the gap's max (named
+    as the controller names them when the recompute pass measures them instead)."""
     tokens = mask_BT.sum().clamp(min=1)
     diff = (logp_BT.float() - rollout_logp_BT).abs() * mask_BT
     return {"entropy": float((ent_BT.float() * mask_BT).sum() / tokens) * share,
-            "rollout_logprob_diff_mean": float(diff.sum() / tokens) * share}
+            "rollout_logprob_diff_mean": float(diff.sum() / tokens) * share,
+            "rollout_logprob_diff_max": Extreme(float(diff.max()), "max")}
+
+
+def _in_loss_correction(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
+                        c: CorrectionSpec, share: float) -> tuple[torch.Tensor, dict[str, float | Extreme]]:
+    """The rollout-correction weights [B, T] of one micro-batch and its statistics: means as shares of the
+    mini-batch mean, max / min as Extremes (so they reduce to the whole batch's, as the controller's pass gives).
+    Per micro-batch equals per batch: token weights are elementwise, and a sequence's weight reads only its own
+    row, which a micro-batch always holds whole (workers/layout.py)."""
+    w_BT, stats = rollout_correction(old_logp_BT, rollout_logp_BT, mask_BT, mode=c.mode, level=c.level, cap=c.cap,
+                                     low=c.low, high=c.high)
+    means = ("ratio_mean", "weight_mean", "clipped_frac", "masked_frac")
+    out: dict[str, float | Extreme] = {f"rollout_is/{k}": float(stats[f"rollout_is/{k}"]) * share for k in means}
+    if bool(mask_BT.any()):  # no valid token: no max / min to report (the statistic's placeholder is 1)
+        out["rollout_is/ratio_max"] = Extreme(float(stats["rollout_is/ratio_max"]), "max")
+        out["rollout_is/ratio_min"] = Extreme(float(stats["rollout_is/ratio_min"]), "min")
+    return w_BT, out
 
 
 class RefComponent:

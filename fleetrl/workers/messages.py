@@ -5,12 +5,13 @@ re-derive it from which tensors a Batch happens to hold. `Batch.meta` carries di
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Mapping, Sequence
 
 from fleetrl.config.frozen import FrozenDict
 
 OldLogprobs = Literal["recomputed", "current"]
+LossMask = Literal["response_mask", "loss_mask"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +38,20 @@ class MiniBatchCounts:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CorrectionSpec:
+    """algorithm.rollout_correction applied inside the actor loss (algo/correction.py): the weights
+    pi_old / pi_rollout come from the loss forward's own detached log-probs against the batch's
+    `rollout_logprobs`, over the loss mask's tokens. Exact only when that forward IS the proximal policy (one
+    optimiser step per batch: UpdateSpec.old_logprobs == "current"); sequence level needs whole samples in a
+    micro-batch, which both micro-batch layouts guarantee (workers/layout.py)."""
+    mode: str
+    level: Literal["token", "sequence"]
+    cap: float
+    low: float
+    high: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class UpdateSpec:
     """One role's update over this rank's share of every mini-batch (in mini-batch order, see workers/layout.py)."""
     minis: tuple[MiniBatchCounts, ...]
@@ -45,10 +60,29 @@ class UpdateSpec:
     """recomputed: the batch's `old_logprobs` from the pass before the update; current: fully on-policy, the
     update's own forward, detached (ratio exactly 1)."""
     is_weights: bool = False
-    """Multiply the per-token policy loss by the batch's `is_weights` (rollout-mismatch correction)."""
-    loss_mask: Literal["response_mask", "loss_mask"] = "response_mask"
+    """Multiply the per-token policy loss by the batch's `is_weights` (rollout-mismatch correction computed on
+    the controller from recomputed log-probs)."""
+    correction: CorrectionSpec | None = None
+    """The same correction computed in the loss instead (no recompute pass; needs old_logprobs == "current")."""
+    loss_mask: LossMask = "response_mask"
     """Which mask weighs the loss: `loss_mask` leaves truncated responses out (algorithm.overlong.mask_truncated);
     the forward pass always uses response_mask."""
+
+    def __post_init__(self) -> None:
+        assert self.correction is None or (self.old_logprobs == "current" and not self.is_weights), \
+            "an in-loss correction needs the update's own log-probs as the old ones, and replaces is_weights"
+
+
+@dataclass(frozen=True, slots=True)
+class Extreme:
+    """A loss metric combined by max or min (over micro-batches, optimiser steps and ranks), not summed as a share
+    of a mean: e.g. the largest importance ratio of the step."""
+    value: float
+    op: Literal["max", "min"]
+
+    def combine(self, other: "Extreme") -> "Extreme":
+        assert self.op == other.op, f"one metric combined by both {self.op} and {other.op}"
+        return Extreme((max if self.op == "max" else min)(self.value, other.value), self.op)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,13 +91,26 @@ class UpdateMetrics:
     `same` are equal on every rank (after the gradient all-reduce: grad norm, lr, skipped updates)."""
     shares: Mapping[str, float]
     same: Mapping[str, float]
+    extremes: Mapping[str, Extreme] = field(default_factory=FrozenDict)
+    """Max / min metrics; a rank whose tokens gave no value for one (e.g. no valid token) leaves it out."""
 
     @staticmethod
     def reduce(per_rank: Sequence["UpdateMetrics"]) -> dict[str, float]:
         out = {k: float(sum(m.shares[k] for m in per_rank)) for k in per_rank[0].shares}
         out.update(per_rank[0].same)
+        out.update({k: v.value for k, v in combine_extremes(m.extremes for m in per_rank).items()})
         return out
 
     @classmethod
-    def of(cls, shares: Mapping[str, float], same: Mapping[str, float]) -> "UpdateMetrics":
-        return cls(shares=FrozenDict(shares), same=FrozenDict(same))
+    def of(cls, shares: Mapping[str, float], same: Mapping[str, float],
+           extremes: Mapping[str, Extreme] | None = None) -> "UpdateMetrics":
+        return cls(shares=FrozenDict(shares), same=FrozenDict(same), extremes=FrozenDict(extremes or {}))
+
+
+def combine_extremes(parts: Iterable[Mapping[str, Extreme]]) -> dict[str, Extreme]:
+    """Each name's max (or min) over the parts that have it."""
+    out: dict[str, Extreme] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = v if k not in out else out[k].combine(v)
+    return out

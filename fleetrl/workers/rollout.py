@@ -69,13 +69,12 @@ class RolloutComponent:
         if self.engine.weights_version < req.min_weights_version:
             raise RuntimeError(f"rollout worker {self.ctx.rank} holds weights version {self.engine.weights_version} "
                                f"but the step needs {req.min_weights_version}: weight sync did not arrive")
-        r = self.ctx.cfg.rollout
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=req.temperature, top_p=r.top_p,
-                                top_k=r.top_k, stop_token_ids=r.stop_token_ids, stop_strings=r.stop,
-                                seed=self.ctx.plan.seed(req.purpose, req.step,
-                                                        self.ctx.rank if req.seed_slot is None else req.seed_slot))
+        params = self.sampling_params(batch, req)
         with unsharded(self.model):
             if self.episodes is not None:
+                if params.max_new_tokens_per_sample is not None:
+                    raise ValueError("SamplingParams.max_new_tokens_per_sample limits one generation per sample; "
+                                     "with rollout.env an episode's turns are bounded by rollout.env instead")
                 out = self.episodes.play(self.engine, self.tokenizer, batch, params)
             else:
                 gen = self.engine.generate(batch["prompts"], batch["prompt_mask"], params)
@@ -85,6 +84,15 @@ class RolloutComponent:
         # The version that actually generated each sample: what staleness is measured from (docs/async.md).
         out.tensors["weights_version"] = torch.full((len(out),), self.engine.weights_version, dtype=torch.long)
         return out
+
+    def sampling_params(self, batch: Batch, req: GenerateRequest) -> SamplingParams:
+        """The engine settings of one generate call (a seam benchmarks wrap, e.g. bench/longtail.py's per-sample
+        limits)."""
+        r = self.ctx.cfg.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=req.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_token_ids=r.stop_token_ids, stop_strings=r.stop,
+                              seed=self.ctx.plan.seed(req.purpose, req.step,
+                                                      self.ctx.rank if req.seed_slot is None else req.seed_slot))
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.engine.load_weights(state, version)

@@ -8,9 +8,9 @@ import torch
 from fleetrl.batch import Batch
 from fleetrl.engines.training import TrainingEngine
 from fleetrl.workers.layout import rank_minis, update_micro_batches
-from fleetrl.workers.messages import MiniBatchCounts, UpdateMetrics, UpdateSpec
+from fleetrl.workers.messages import Extreme, MiniBatchCounts, UpdateMetrics, UpdateSpec, combine_extremes
 
-LossFn = Callable[[Batch, MiniBatchCounts], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[Batch, MiniBatchCounts], tuple[torch.Tensor, dict[str, float | Extreme]]]
 
 
 def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs: int, micro_batch_size: int,
@@ -19,20 +19,30 @@ def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs
     holds each mini-batch's GLOBAL counts, so losses are normalised as for the full batch.
 
     loss_fn returns (loss, metrics); its metrics carry their final names (the controller only adds `train/`)
-    and are shares of global means (summed over micro-batches here and over ranks by the controller). Returns
+    and are shares of global means (summed over micro-batches here and over ranks by the controller), or
+    `Extreme`s (max / min over micro-batches and optimiser steps here, over ranks by the controller). Returns
     the means over optimiser steps, plus `{prefix}/grad_norm` and `/lr` (equal on all ranks) and the count of
     skipped (non-finite) updates. Micro-batches hold `micro_batch_size` samples, or at most `micro_batch_tokens`
     real tokens when that is set (packed forwards); either way every row of a mini-batch is in exactly one.
     """
     minis = rank_minis(batch, len(spec.minis))
     sums: dict[str, float] = {}
+    extremes: dict[str, Extreme] = {}
+
+    def summed_part(mb: Batch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, float]]:
+        # the engine sums what it is given; extremes are combined here instead
+        loss, metrics = loss_fn(mb, counts)
+        extremes.update(combine_extremes([extremes, {k: v for k, v in metrics.items() if isinstance(v, Extreme)}]))
+        return loss, {k: v for k, v in metrics.items() if not isinstance(v, Extreme)}
+
     for _ in range(epochs):
         for mini, counts in zip(minis, spec.minis):
-            metrics = engine.step(iter(update_micro_batches(mini, micro_batch_size, micro_batch_tokens)), lambda mb, c=counts: loss_fn(mb, c))
+            metrics = engine.step(iter(update_micro_batches(mini, micro_batch_size, micro_batch_tokens)),
+                                  lambda mb, c=counts: summed_part(mb, c))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
     steps = len(spec.minis) * epochs
     same = {f"{prefix}/grad_norm": sums.pop("grad_norm") / steps, f"{prefix}/lr": sums.pop("lr") / steps,
             f"{prefix}/skipped_updates": sums.pop("skipped", 0.0)}
     shares = {k: v / steps for k, v in sums.items()}
-    return UpdateMetrics.of(shares, same)
+    return UpdateMetrics.of(shares, same, extremes)

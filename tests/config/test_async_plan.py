@@ -25,10 +25,23 @@ def test_async_numbers():
     # 6 prompts over 2 rollout workers: chunks of ceil(6/2) = 3 groups, 2 per step; window (2+1)·6 = 18 groups.
     assert (p.pipeline.chunk_groups, p.pipeline.chunks_per_step, p.pipeline.window_groups) == (3, 2, 18)
     assert p.pipeline.max_chunks_per_step == 2
-    # staleness > 0: the old log-probs are recomputed by the actor (decoupled PPO), although the update is
-    # otherwise on-policy (1 mini-batch, 1 epoch)
-    assert p.recompute_logprobs
+    # staleness > 0 but one optimiser step (1 mini-batch, 1 epoch): the proximal policy of decoupled PPO is the
+    # update's own forward, so nothing is recomputed
+    assert not p.recompute_logprobs
     assert p.summary()["pipeline"] == {"max_staleness": 2, "stale": "hold", "chunk_groups": 3, "window_groups": 18}
+
+
+@pytest.mark.parametrize("kl, recompute", [
+    ("algorithm.kl.placement=loss", False),  # the loss forward is the trained policy: nothing read before it
+    ("algorithm.kl.placement=reward", True),  # the reward penalty needs the trained policy before the update
+    ("algorithm.kl.placement=loss algorithm.kl.controller=adaptive", True),  # so does the adaptive controller
+])
+def test_stale_samples_recompute_only_for_a_kl_read_before_the_update(kl, recompute):
+    p = _plan(*SPLIT, "trainer.mode=async", "trainer.max_staleness=1", "algorithm.rollout_correction.mode=tis",
+              *kl.split())
+    assert (p.recompute_logprobs, p.correction_in_loss) == (recompute, not recompute)
+    p = _plan(*SPLIT, "trainer.mode=async", "trainer.max_staleness=0", *kl.split())
+    assert not p.recompute_logprobs  # nothing stale: the rollout's log-probs are the trained policy's
 
 
 def test_staleness_zero_keeps_the_synchronous_decisions():

@@ -54,9 +54,11 @@ def test_recompute_logprobs_only_when_the_update_is_not_on_policy():
     assert _plan("data.prompts_per_step=8", "algorithm.mini_batch_prompts=4").recompute_logprobs  # 2 mini-batches
     assert _plan("data.prompts_per_step=8", "algorithm.ppo_epochs=2").recompute_logprobs
     assert _plan("data.prompts_per_step=8", "algorithm.recompute_logprobs=always").recompute_logprobs
-    # Rollout correction weights old/rollout: it needs the trainer's log-probs even on-policy.
+    # Rollout correction on-policy: the actor loss weighs its own detached log-probs against the rollout's.
     p = _plan("data.prompts_per_step=8", "algorithm.rollout_correction.mode=tis")
-    assert p.rollout_correction and p.recompute_logprobs
+    assert p.rollout_correction and not p.recompute_logprobs and p.correction_in_loss
+    p = _plan("data.prompts_per_step=8", "algorithm.rollout_correction.mode=tis", "algorithm.ppo_epochs=2")
+    assert p.recompute_logprobs and not p.correction_in_loss  # the controller weighs the recomputed ones
 
 
 def test_kl_folds_into_the_score_only_for_outcome_estimators_with_kl_in_the_reward():
@@ -87,7 +89,7 @@ def test_summary_lists_every_derived_number():
     assert set(s) == {"roles", "pools", "samples_per_step", "mini_batch_samples", "num_mini_batches",
                       "micro_batch_size_per_rank", "micro_batch_tokens", "use_critic", "use_ref", "rollout_colocated", "recompute_logprobs",
                       "total_steps", "actor_optimizer_steps", "critic_optimizer_steps", "rollout_engine",
-                      "val_batch_prompts", "kl_into_score", "rollout_correction", "action_mask", "ref_from_actor",
-                      "pipeline"}
+                      "val_batch_prompts", "kl_into_score", "rollout_correction", "correction_in_loss", "action_mask",
+                      "ref_from_actor", "pipeline"}
     assert s["samples_per_step"] == 32 and s["roles"]["actor"] == "main (dp=1)"
     assert s["rollout_engine"] == {"max_batch": 32, "max_seq_len": 512 + 64}  # schema defaults

@@ -14,10 +14,12 @@ def test_kl_in_reward_with_an_outcome_estimator_is_folded_into_the_score():
     assert not _plan("algorithm.kl.placement=loss").kl_into_score
 
 
-def test_rollout_correction_forces_the_old_logprob_pass():
+def test_rollout_correction_on_policy_is_computed_in_the_loss():
     assert not _plan().recompute_logprobs  # quickstart: one mini-batch, one epoch
     plan = _plan("algorithm.rollout_correction.mode=tis")
-    assert plan.rollout_correction and plan.recompute_logprobs
+    assert plan.rollout_correction and plan.correction_in_loss and not plan.recompute_logprobs
+    plan = _plan("algorithm.rollout_correction.mode=tis", "algorithm.recompute_logprobs=always")
+    assert plan.rollout_correction and plan.recompute_logprobs and not plan.correction_in_loss
 
 
 @pytest.mark.parametrize("override,message", [

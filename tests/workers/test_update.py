@@ -10,7 +10,7 @@ from torch import nn
 from fleetrl.batch import Batch
 from fleetrl.config.schema import OptimConfig
 from fleetrl.engines.training import TrainingEngine
-from fleetrl.workers.messages import MiniBatchCounts, UpdateSpec
+from fleetrl.workers.messages import Extreme, MiniBatchCounts, UpdateSpec
 from fleetrl.workers.update import run_update
 
 LR = 0.01
@@ -99,3 +99,18 @@ def test_returned_metrics_are_read_only():
                      loss_fn=CountingLoss(engine), prefix="actor")
     with pytest.raises(TypeError, match="does not support item assignment"):
         out.shares["actor/v_share"] = 0.0  # type: ignore[index]
+
+
+def test_extremes_combine_by_max_and_min_over_micro_batches_and_steps():
+    engine = _engine()
+
+    def loss(mb: Batch, counts: MiniBatchCounts):
+        v = mb["v"]
+        return engine.model(v.unsqueeze(-1)).sum(), {"actor/v_max": Extreme(float(v.max()), "max"),
+                                                       "actor/v_min": Extreme(float(v.min()), "min")}
+
+    # rows [5, 1 | 7, 2]: 2 mini-batches of 2 micro-batches of 1 row, 2 epochs; max 7, min 1 (not summed)
+    out = run_update(engine, Batch({"v": torch.tensor([5.0, 1.0, 7.0, 2.0])}), _spec(2), epochs=2,
+                     micro_batch_size=1, loss_fn=loss, prefix="actor")
+    assert dict(out.shares) == {}
+    assert dict(out.extremes) == {"actor/v_max": Extreme(7.0, "max"), "actor/v_min": Extreme(1.0, "min")}

@@ -7,9 +7,12 @@ parameters (in place, so captured graphs stay valid) and records the version. If
 re-allocated (e.g. `model.to(...)`), the next call notices the new addresses and re-captures its graphs.
 
 Scheduling: up to `max_batch` slots. Prompts wait in input order; whenever slots are free, waiting prompts are
-prefilled into them (lowest slot first) and join the decode batch. Identical prompts admitted together (GRPO's
-n samples of one prompt) are prefilled once and their KV rows copied to the other slots. Every `sync_every` steps the host reads the
-slots' done flags once, harvests finished responses and frees their slots. Nothing else syncs per token.
+prefilled into them (lowest slot first) and join the decode batch. A slot stops at its request's own limit
+(SamplingParams.max_new_tokens_per_sample, else max_new_tokens), so a short sample frees its slot early for a
+waiting prompt; when none waits, the live slots above the bucket their number needs move down into freed ones
+(`_compact`), so a long tail decodes in a small batch. Identical prompts admitted together (GRPO's n samples of one prompt) are prefilled once and their
+KV rows copied to the other slots. Every `sync_every` steps the host reads the slots' done flags once, harvests
+finished responses and frees their slots. Nothing else syncs per token.
 
 Memory: the KV cache is sized by the calls, not by the limits: the first call allocates slots for its batch
 (a power-of-two bucket, at most `max_batch`) and positions for its longest prompt + max_new_tokens (rounded
@@ -36,7 +39,7 @@ from fleetrl.engines.fast.graphs import DecodeGraphs, batch_buckets, bucket_for
 from fleetrl.engines.fast.postprocess import assemble_output
 from fleetrl.engines.fast.sampling import SamplerKey, is_stop, sample
 from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers
-from fleetrl.engines.protocol import GenerationOutput, SamplingParams
+from fleetrl.engines.protocol import GenerationOutput, SamplingParams, response_limits
 
 KV_BUCKET = 256  # kv-length granularity of the torch-path graphs (the Triton path reads exact lengths)
 SEQ_GRANULE = 64  # cache positions are allocated in multiples of this, so similar calls reuse one cache
@@ -84,12 +87,14 @@ class FastRolloutEngine:
         self._graphs: DecodeGraphs | None = None
         self._fingerprint: tuple[int, ...] = ()
         self.weights_version = 0
-        self.stats = {"decode_steps": 0, "prefills": 0, "prefilled_prompts": 0, "syncs": 0}
+        self.stats = {"decode_steps": 0, "decode_rows": 0, "prefills": 0, "prefilled_prompts": 0, "syncs": 0,
+                      "moved_slots": 0}
 
     # ------------------------------------------------------------------------------------------ protocol
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> GenerationOutput:
         rows = self._unpad(prompts, prompt_mask, params)
+        limits = response_limits(params, len(rows)).tolist()
         # LoRA actor: merged W + ΔW of the adapted projections (before graphs are captured, which read them);
         # kept between calls only where captured graphs hold their addresses.
         self._fwd.merge_adapters(keep=self.use_cuda_graphs,
@@ -101,7 +106,7 @@ class FastRolloutEngine:
             if not self.use_cuda_graphs:
                 self._fwd.merged = None  # the cast copy holds the merge now
         try:
-            tok, lp, counts = self._run(buf, rows, params.max_new_tokens, key)
+            tok, lp, counts = self._run(buf, rows, limits, key)
         finally:
             self._fwd.shadow = None
             if not self.use_cuda_graphs:
@@ -194,15 +199,17 @@ class FastRolloutEngine:
         return SamplerKey(True) if greedy else SamplerKey(False, params.top_k, params.top_p)
 
     # ------------------------------------------------------------------------------------- scheduling
-    def _run(self, buf: SlotBuffers, rows: list[torch.Tensor], max_new: int,
+    def _run(self, buf: SlotBuffers, rows: list[torch.Tensor], limits: list[int],
              key: SamplerKey) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Continuous batching over all requests -> (tokens [B, max_new], logprobs [B, max_new], counts)."""
+        """Continuous batching over all requests, request i decoding at most limits[i] tokens -> (tokens
+        [B, max(limits)], logprobs [B, max(limits)], counts)."""
+        max_new = max(limits)
         free = list(range(buf.slots))
         buckets = [b for b in self._buckets if b < buf.slots] + [buf.slots]
         pending = deque(range(len(rows)))
         running: dict[int, int] = {}           # slot -> request
         length: dict[int, int] = {}            # slot -> prompt length
-        sampled: dict[int, int] = {}           # slot -> tokens sampled (exact while live, capped at max_new)
+        sampled: dict[int, int] = {}           # slot -> tokens sampled (exact while live, capped at its limit)
         parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
         counts = [0] * len(rows)
         buf.done.fill_(True)
@@ -210,14 +217,14 @@ class FastRolloutEngine:
             heartbeat.beat()
             if pending and free:
                 admit = [(heapq.heappop(free), pending.popleft()) for _ in range(min(len(free), len(pending)))]
-                self._prefill(buf, rows, admit, max_new, key)
+                self._prefill(buf, rows, admit, limits, key)
                 for slot, req in admit:
                     running[slot], length[slot], sampled[slot] = req, len(rows[req]), 1
             nb = bucket_for(max(running) + 1, buckets)
-            for _ in range(min(self.sync_every, max(max_new - sampled[s] for s in running))):
+            for _ in range(min(self.sync_every, max(limits[running[s]] - sampled[s] for s in running))):
                 self._decode(nb, max(length[s] + sampled[s] for s in running), key)
                 for s in running:
-                    sampled[s] = min(sampled[s] + 1, max_new)
+                    sampled[s] = min(sampled[s] + 1, limits[running[s]])
             flags = torch.stack((buf.done[:nb].long(), buf.count[:nb])).cpu()
             self.stats["syncs"] += 1
             finished = [s for s in running if flags[0, s]]
@@ -228,13 +235,37 @@ class FastRolloutEngine:
                 for s in finished:
                     counts[running.pop(s)] = int(flags[1, s])
                     heapq.heappush(free, s)
+            if running and not pending:  # nothing to refill the freed slots with: shrink the decode batch instead
+                self._compact(buf, running, length, sampled, free, buckets)
         reqs = [r for p in parts for r in p[0]]
         order = torch.empty(len(rows), dtype=torch.long)
         order[torch.tensor(reqs)] = torch.arange(len(rows))
         order = order.to(self.device)
         return (torch.cat([p[1] for p in parts])[order], torch.cat([p[2] for p in parts])[order], counts)
 
-    def _prefill(self, buf: SlotBuffers, rows: list[torch.Tensor], admit: list[tuple[int, int]], max_new: int,
+    def _compact(self, buf: SlotBuffers, running: dict[int, int], length: dict[int, int], sampled: dict[int, int],
+                 free: list[int], buckets: list[int]) -> None:
+        """Moves the live slots above the bucket their number needs into free slots below it (KV rows and every
+        per-slot buffer; the random stream is keyed by request and count, so the samples do not change). Without
+        it a long tail decodes in the call's full bucket: a step computes every slot below the highest live one."""
+        target = bucket_for(len(running), buckets)
+        movers = sorted(s for s in running if s >= target)
+        if not movers:
+            return
+        holes = sorted(s for s in free if s < target)[: len(movers)]  # enough: len(running) <= target
+        src, dst = torch.tensor(movers, device=self.device), torch.tensor(holes, device=self.device)
+        width = min(max(length[s] + sampled[s] for s in movers), buf.seq_len)
+        buf.k[:, dst, :, :width] = buf.k[:, src, :, :width]
+        buf.v[:, dst, :, :width] = buf.v[:, src, :, :width]
+        for t in (buf.tokens, buf.pos, buf.done, buf.count, buf.limit, buf.req, buf.out_tok, buf.out_lp):
+            t[dst] = t[src]
+        buf.done[src] = True
+        for a, b in zip(movers, holes):
+            running[b], length[b], sampled[b] = running.pop(a), length.pop(a), sampled.pop(a)
+        free[:] = sorted((set(free) - set(holes)) | set(movers))  # a sorted list is a valid heap
+        self.stats["moved_slots"] += len(movers)
+
+    def _prefill(self, buf: SlotBuffers, rows: list[torch.Tensor], admit: list[tuple[int, int]], limits: list[int],
                  key: SamplerKey) -> None:
         groups = _same_prompt_groups(admit, rows)
         by_leader = {g[0][0]: g for g in groups}
@@ -262,13 +293,15 @@ class FastRolloutEngine:
             tok, lp = sample(logits[of], key, buf.temperature, buf.seed, reqs, torch.zeros_like(reqs), self.kernels)
             buf.out_tok[slots, 0], buf.out_lp[slots, 0] = tok, lp
             buf.tokens[slots], buf.pos[slots], buf.req[slots] = tok, lengths, reqs
-            buf.count[slots], buf.limit[slots] = 1, max_new
-            buf.done[slots] = is_stop(tok, buf.stop_ids) | (max_new <= 1)
+            limit = torch.tensor([limits[r] for _, _, r in members], **dev)
+            buf.count[slots], buf.limit[slots] = 1, limit
+            buf.done[slots] = is_stop(tok, buf.stop_ids) | (limit <= 1)
             self.stats["prefills"] += 1
             self.stats["prefilled_prompts"] += len(chunk)
 
     def _decode(self, nb: int, kv_len: int, key: SamplerKey) -> None:
         self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += nb  # slots a step computes, live or not
         if self._graphs is None:
             self._step((nb, kv_len, key))
             return
