@@ -51,6 +51,12 @@ class LayerWeights:
     bu: torch.Tensor | None
     wd: torch.Tensor
     bd: torch.Tensor | None
+    # Fused copies (fused.py), None when the engine reads the projections separately: wq/wk/wv (wg/wu) are then
+    # row views of wqkv [q + 2 kv, hidden] (wgu [2 I, hidden]), so both names read the same memory.
+    wqkv: torch.Tensor | None = None
+    bqkv: torch.Tensor | None = None
+    wgu: torch.Tensor | None = None
+    bgu: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.c
 
 @triton.jit
 def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, s_slot, s_head, s_pos,
-                       H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
+                       s_q, s_kv, H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
                        HALF: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + b)
@@ -56,15 +56,15 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, v
     s = tl.load(sin_ptr + pos * 2 * HALF + d).to(tl.float32)
     hq = tl.arange(0, H_PAD)[:, None]
     mq = hq < H
-    qp = q_ptr + b * H * 2 * HALF + hq * 2 * HALF + d
+    qp = q_ptr + b * s_q + hq * 2 * HALF + d
     q1 = tl.load(qp, mask=mq, other=0.0).to(tl.float32)
     q2 = tl.load(qp + HALF, mask=mq, other=0.0).to(tl.float32)
     tl.store(qp, (q1 * c - q2 * s).to(q_ptr.dtype.element_ty), mask=mq)
     tl.store(qp + HALF, (q2 * c + q1 * s).to(q_ptr.dtype.element_ty), mask=mq)
     hk = tl.arange(0, KVH_PAD)[:, None]
     mk = hk < KVH
-    kp = k_ptr + b * KVH * 2 * HALF + hk * 2 * HALF + d
-    vp = v_ptr + b * KVH * 2 * HALF + hk * 2 * HALF + d
+    kp = k_ptr + b * s_kv + hk * 2 * HALF + d
+    vp = v_ptr + b * s_kv + hk * 2 * HALF + d
     k1 = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(kp + HALF, mask=mk, other=0.0).to(tl.float32)
     dst = b * s_slot + hk * s_head + pos * s_pos + d
@@ -76,7 +76,7 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, v
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out_ptr, scale, s_slot, s_head,
-                        s_pos, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                        s_pos, s_q, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                         D: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                         IEEE: tl.constexpr):
     pid = tl.program_id(0)
@@ -90,7 +90,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out
     gmask = g < G
     d = tl.arange(0, D)
     heads = kh * G + g
-    q = tl.load(q_ptr + b * H * D + heads[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+    q = tl.load(q_ptr + b * s_q + heads[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -143,13 +143,14 @@ def _decode_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, D: tl.constexpr, NSPLIT: 
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, s_in, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(g_ptr + row * s_in + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * s_in + cols, mask=mask, other=0.0).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(y_ptr.dtype.element_ty).to(tl.float32)  # HF rounds silu() to the dtype first
-    tl.store(y_ptr + offs, (act * u).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * n_cols + cols, (act * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -271,8 +272,10 @@ class TritonKernels:
     def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                          spec: DecoderSpec) -> None:
+        # q, k, v may be column views of one fused GEMM output: rows are strided, each row's heads contiguous
+        assert q.stride(1) == k.stride(1) == v.stride(1) == 1 and k.stride(0) == v.stride(0)
         _rope_cache_kernel[(q.shape[0],)](q, k, v, cos, sin, pos, kc, vc, kc.stride(0), kc.stride(1), kc.stride(2),
-                                          H=spec.num_heads, KVH=spec.num_kv_heads, H_PAD=_pow2(spec.num_heads),
+                                          q.stride(0), k.stride(0), H=spec.num_heads, KVH=spec.num_kv_heads, H_PAD=_pow2(spec.num_heads),
                                           KVH_PAD=_pow2(spec.num_kv_heads), HALF=spec.head_dim // 2, num_warps=2)
 
     def attention_splits(self, nb: int, kv_heads: int, max_len: int) -> tuple[int, int]:
@@ -289,9 +292,10 @@ class TritonKernels:
         parts = torch.empty(nb, spec.num_heads, nsplit, spec.head_dim, dtype=torch.float32, device=q.device)
         m = torch.empty(nb, spec.num_heads, nsplit, dtype=torch.float32, device=q.device)
         lsum = torch.empty_like(m)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
+        assert q.stride(1) == 1
         _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
-            q, kc, vc, pos, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2),
+            q, kc, vc, pos, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2), q.stride(0),
             H=spec.num_heads, KVH=spec.num_kv_heads, G=spec.group, G_PAD=max(16, _pow2(spec.group)),
             D=spec.head_dim, SPLIT=split, NSPLIT=nsplit, BLOCK_N=ATTN_BLOCK_N,
             IEEE=q.dtype == torch.float32, num_warps=4)
@@ -301,9 +305,11 @@ class TritonKernels:
         return out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(gate)
-        n = gate.numel()
-        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
+        """gate, up [n, I] (column views of one fused [n, 2I] output, or two contiguous tensors) -> [n, I]."""
+        assert gate.stride() == up.stride() and gate.stride(1) == 1
+        n, cols = gate.shape
+        out = torch.empty(n, cols, dtype=gate.dtype, device=gate.device)
+        _silu_mul_kernel[(n, triton.cdiv(cols, 1024))](gate, up, out, cols, gate.stride(0), BLOCK=1024, num_warps=4)
         return out
 
     def step_update(self, tok: torch.Tensor, lp: torch.Tensor, done: torch.Tensor, count: torch.Tensor,
