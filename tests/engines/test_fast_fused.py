@@ -72,6 +72,9 @@ def test_load_weights_refreshes_the_fused_copies() -> None:
            if any(part in name for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))}
     eng.load_weights(new, version=3)
     after = eng.generate(ids, mask, SAMPLED)
+    eng.sleep()  # frees the copies; the next call makes them again
+    assert eng._fwd.fused.nbytes() == 0
+    assert torch.equal(eng.generate(ids, mask, SAMPLED).logprobs, after.logprobs)
     fresh = make(copy.deepcopy(model), True).generate(ids, mask, SAMPLED)  # model now holds the new values
     assert torch.equal(after.responses, fresh.responses) and torch.equal(after.logprobs, fresh.logprobs)
     assert not torch.equal(after.logprobs, before.logprobs)

@@ -1,8 +1,9 @@
 """FastRolloutEngine: continuous-batching decode with a static KV cache and CUDA graphs, on the model's own weights.
 
 Colocated use (the default): the engine is handed the trainer's HF model and reads its parameter tensors in
-place at every step (`arch.model_weights`); nothing is copied, so after an optimizer step the next `generate`
-samples from the new policy. `load_weights` is for a separate rollout pool: it copies named tensors into the
+place at every step (`arch.model_weights`), so after an optimizer step the next `generate` samples from the new
+policy. The one exception is `fuse_projections` (on by default on CUDA): q/k/v and gate/up are read from fused
+copies (fused.py), refreshed when `weights_version` is assigned, which the trainer's sync does. `load_weights` is for a separate rollout pool: it copies named tensors into the
 parameters (in place, so captured graphs stay valid) and records the version. If the model's parameters are
 re-allocated (e.g. `model.to(...)`), the next call notices the new addresses and re-captures its graphs.
 
@@ -145,8 +146,11 @@ class FastRolloutEngine:
             self._fwd.fused.stale = True
 
     def sleep(self) -> None:
-        """Frees the KV cache, slot buffers and graphs. The weights stay: they are the trainer's tensors."""
+        """Frees the KV cache, slot buffers, graphs and fused projection copies. The weights stay: they are the
+        trainer's tensors."""
         self._buf, self._graphs = None, None
+        if self._fwd.fused is not None:
+            self._fwd.fused.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

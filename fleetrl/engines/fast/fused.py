@@ -39,6 +39,10 @@ class FusedProjections:
         self._layers: list[dict[str, torch.Tensor | None]] | None = None
         self.stale = True
 
+    def release(self) -> None:
+        """Frees the buffers; the next `refresh` allocates new ones (captured graphs must be dropped too)."""
+        self._layers, self.stale = None, True
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self._layers or [] for t in layer.values()
                    if t is not None)
