@@ -3,9 +3,10 @@
 Colocated use (the default): the engine is handed the trainer's HF model and reads its parameter tensors in
 place at every step (`arch.model_weights`), so after an optimizer step the next `generate` samples from the new
 policy. The one exception is `fuse_projections` (on by default on CUDA): q/k/v and gate/up are read from fused
-copies (fused.py), refreshed when `weights_version` is assigned, which the trainer's sync does. `load_weights` is for a separate rollout pool: it copies named tensors into the
-parameters (in place, so captured graphs stay valid) and records the version. If the model's parameters are
-re-allocated (e.g. `model.to(...)`), the next call notices the new addresses and re-captures its graphs.
+copies (fused.py), refreshed when `weights_version` is assigned, which the trainer's sync does. `load_weights`
+is for a separate rollout pool: it copies named tensors into the parameters (in place, so captured graphs stay
+valid) and records the version. If the model's parameters are re-allocated (e.g. `model.to(...)`), the next
+call notices the new addresses and re-captures its graphs.
 
 Scheduling: up to `max_batch` slots. Prompts wait in input order; whenever slots are free, waiting prompts are
 prefilled into them (lowest slot first) and join the decode batch. Identical prompts admitted together (GRPO's
