@@ -67,11 +67,13 @@ def test_load_weights_refreshes_the_fused_copies() -> None:
     ids, mask = left_padded([4, 6, 2])
     eng = make(model, True)
     before = eng.generate(ids, mask, SAMPLED)
+    address = eng._fwd.weights().layers[1].wqkv.data_ptr()
     g = torch.Generator().manual_seed(3)
     new = {name: torch.randn(p.shape, generator=g) * 0.2 for name, p in model.named_parameters()
            if any(part in name for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))}
     eng.load_weights(new, version=3)
     after = eng.generate(ids, mask, SAMPLED)
+    assert eng._fwd.weights().layers[1].wqkv.data_ptr() == address  # refreshed in place: graphs stay valid
     eng.sleep()  # frees the copies; the next call makes them again
     assert eng._fwd.fused.nbytes() == 0
     assert torch.equal(eng.generate(ids, mask, SAMPLED).logprobs, after.logprobs)
