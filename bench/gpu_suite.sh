@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync multiturn decodecheck decode decodeprof
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync multiturn decodecheck decode decodeunfused decodeprof
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md).
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
 run() {  # run NAME SECONDS CMD...
@@ -65,6 +65,9 @@ for p in $PARTS; do case $p in
     run decode 300 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --engines fast --out "$OUT" ;;
   decodecheck)  # the fast engine on this GPU: greedy == HF in fp32 (Triton/torch kernels, fused on/off), logprob gaps
     run decode_check 150 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --check-only --out "$OUT" ;;
+  decodeunfused)  # the same grid at batch 256 without the fused copies (the before/after of issue 14 item 4)
+    run decode_unfused 200 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --engines fast --fuse off \
+      --batches 256 --tag _unfused --out "$OUT" ;;
   decodeprof)  # per-step kernel time by part (fused projections on/off, graphs on/off), LM head and sampler alone
     run decode_profile 180 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --profile --out "$OUT" ;;
   trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
