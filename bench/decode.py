@@ -80,13 +80,14 @@ def bench(args, ceilings: dict, save) -> list[dict]:
             eng = None
             if engine == "fast":
                 eng = FastRolloutEngine(model, None, device=args.device, max_batch=max(args.batches),
-                                        max_seq_len=args.prompt_len + max(args.new_tokens), kernels=args.kernels)
+                                        max_seq_len=args.prompt_len + max(args.new_tokens), kernels=args.kernels,
+                                        fuse_projections={"auto": None, "on": True, "off": False}[args.fuse])
             for batch in args.batches:
                 for new in args.new_tokens:
                     total, first = run_fast(model, args, batch, new, eng) if eng else run_hf(model, args, batch, new)
                     nbytes, flops = roofline(model, dtype, batch, args.prompt_len, new)
                     decode_s = max(total - first, 1e-9)
-                    row = dict(shape=shape, engine=engine, batch=batch, new_tokens=new, seconds=total,
+                    row = dict(shape=shape, engine=engine, fuse=args.fuse, batch=batch, new_tokens=new, seconds=total,
                                tokens_per_s=batch * new / total, decode_s=decode_s,
                                step_ms=1e3 * decode_s / (new - 1), roofline_s=nbytes / ceilings["copy_Bps"],
                                compute_floor_s=flops / (ceilings["matmul_tflops"] * 1e12),
@@ -123,17 +124,20 @@ def checks(args) -> dict:
             model = cls(cfg_cls(**small)).eval()
         model.generation_config.eos_token_id = None
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=48, pad_token_id=0)[:, width:]
-        for kernels in kernel_sets:
+        for kernels, fuse in ((k, f) for k in kernel_sets for f in (True, False)):
             for max_batch in (16, 4):
                 eng = FastRolloutEngine(model, None, device=args.device, max_batch=max_batch, max_seq_len=128,
-                                        kernels=kernels, sync_every=5)
+                                        kernels=kernels, sync_every=5, fuse_projections=fuse)
                 got = eng.generate(ids, mask, SamplingParams(max_new_tokens=48, temperature=0.0))
                 smp = eng.generate(ids, mask, SamplingParams(max_new_tokens=48, temperature=0.8, seed=2))
                 lp_gap = _logprob_gap(model, ids, mask, smp, 0.8)
-                out[f"fp32/{arch}/{kernels}/max_batch={max_batch}"] = dict(
+                out[f"fp32/{arch}/{kernels}/fused={fuse}/max_batch={max_batch}"] = dict(
                     greedy_rows_equal_hf=int((got.responses == ref).all(1).sum()), rows=len(ref),
                     sampled_logprob_max_abs_gap=lp_gap, graphs=len(eng._graphs or []))
                 print(out, flush=True)
+    if args.device.startswith("cuda"):
+        out["triton_sampler"] = sampler_check(args.device)
+        print(out["triton_sampler"], flush=True)
     dtype = torch.bfloat16
     model = build_qwen2(args.check_shape, dtype, args.device)
     ids, mask = prompts_for(32, 64, model.config.vocab_size, args.device)
@@ -148,9 +152,66 @@ def checks(args) -> dict:
     return out
 
 
+def sampler_check(device: str, rows: int = 20000, temperature: float = 0.8) -> dict:
+    """The Triton sampler's draws against softmax(logits / T): 5 likely tokens spread over 3 of the 4096-column
+    blocks of a 10,000-token vocab, the rest at logit -40 (never drawn). Chi-square, 4 degrees of freedom: a
+    correct sampler exceeds 18.47 with probability 0.001. Also the largest log-prob error."""
+    from fleetrl.engines.fast.triton_kernels import TritonKernels
+
+    hot = {3: 1.0, 4100: 0.2, 5000: -0.5, 8191: -1.5, 9999: 0.7}
+    logits = torch.full((10000,), -40.0, device=device)
+    for t, v in hot.items():
+        logits[t] = v
+    batch = logits[None].repeat(rows, 1).to(torch.bfloat16)
+    req = torch.arange(rows, device=device)
+    tok, lp = TritonKernels(torch.device(device)).sample(batch, torch.tensor([temperature], device=device),
+                                                         torch.tensor([7], device=device), req, req * 0, greedy=False)
+    ref = torch.log_softmax(batch.float() / temperature, -1)
+    probs = ref[0].exp().double()
+    counts = torch.bincount(tok, minlength=10000).double()
+    ids = sorted(hot)
+    chi2 = float(((counts[ids] - rows * probs[ids]) ** 2 / (rows * probs[ids])).sum())
+    return dict(chi2=chi2, chi2_limit=18.47, passed=chi2 < 18.47 and int(counts[ids].sum()) == rows,
+                others_drawn=rows - int(counts[ids].sum()),
+                logprob_max_abs_err=float((lp - ref.gather(1, tok[:, None])[:, 0]).abs().max()))
+
+
+# Kernel-name fragments -> the part of a decode step they belong to (first match wins; cuBLAS/CUTLASS names vary).
+KERNEL_PARTS = (("attention", ("_decode_attn", "_decode_merge")), ("sampler", ("_sample_",)),
+                ("rmsnorm", ("_add_rmsnorm",)), ("rope+cache", ("_rope_cache",)), ("silu*up", ("_silu_mul",)),
+                ("step update", ("_step_update",)),
+                ("gemm", ("gemm", "gemv", "cutlass", "sm90", "sm80", "xmma", "cublas", "ampere", "hopper", "splitk")))
+
+
+def kernel_parts(prof) -> dict[str, list[float]]:
+    """part (KERNEL_PARTS) -> [device microseconds, launches] over a torch profiler run."""
+    totals: dict[str, list[float]] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+        if not us or not ev.count:
+            continue
+        name = ev.key.lower()
+        part = next((p for p, keys in KERNEL_PARTS if any(k in name for k in keys)), "other")
+        t = totals.setdefault(part, [0.0, 0])
+        t[0] += us
+        t[1] += ev.count
+    return totals
+
+
+def per_step(run: dict[str, list[float]], base: dict[str, list[float]], steps: int) -> list[str]:
+    """(run - base) / steps per part: `base` is a 1-token call (prefill + first sample), so what remains is the
+    decode steps alone."""
+    rows = {p: [(v[0] - base.get(p, [0, 0])[0]) / steps, (v[1] - base.get(p, [0, 0])[1]) / steps]
+            for p, v in run.items()}
+    total = sum(us for us, _ in rows.values()) or 1e-9
+    out = [f"  {p:12s} {us:8.1f} us/step ({us / total:5.1%})  {n:6.1f} launches/step"
+           for p, (us, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])]
+    return out + [f"  {'total':12s} {total:8.1f} us/step of kernel time"]
+
+
 def profile(args, out: Path) -> None:
-    """Kernel-time breakdown of 32 decode steps at batch 256 (graphs on and off), and the attention kernel's
-    bandwidth on its own, written to profile.txt."""
+    """Kernel-time breakdown of 32 decode steps at batch 256 (fused projections on/off, graphs on/off), the LM
+    head and the sampler timed alone, and the attention kernel's bandwidth alone, written to profile.txt."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -161,15 +222,21 @@ def profile(args, out: Path) -> None:
     lines = []
     model = build_qwen2(args.profile_shape, torch.bfloat16, args.device)
     ids, mask = prompts_for(256, args.prompt_len, model.config.vocab_size, args.device)
-    for graphs in (True, False):
+    for graphs, fuse in ((True, True), (True, False), (False, True)):
         eng = FastRolloutEngine(model, None, device=args.device, max_batch=256, max_seq_len=args.prompt_len + 64,
-                                use_cuda_graphs=graphs)
+                                use_cuda_graphs=graphs, fuse_projections=fuse)
         eng.generate(ids, mask, SamplingParams(max_new_tokens=8, seed=0))
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            eng.generate(ids, mask, SamplingParams(max_new_tokens=33, seed=0))
-        lines += [f"== {args.profile_shape} batch 256, 32 decode steps (+ prefill), cuda graphs={graphs}",
+        parts = []
+        for new in (1, 33):  # the 1-token call is the prefill alone, subtracted below
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                eng.generate(ids, mask, SamplingParams(max_new_tokens=new, seed=0))
+            parts.append(kernel_parts(prof))
+        lines += [f"== {args.profile_shape} batch 256, 32 decode steps (+ prefill), cuda graphs={graphs}, "
+                  f"fused projections={fuse} ({_gib(eng._fwd.fused.nbytes()) if fuse else 0:.2f} GiB)",
+                  "per decode step (the 33-token call minus the 1-token call, / 32):", *per_step(parts[1], parts[0], 32),
                   prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)]
         del eng
+    lines += head_and_sampler(model, args.device, 256)
     kn = TritonKernels(torch.device(args.device))
     for name, heads, kv, dim in (("0.5b", 14, 2, 64), ("1.5b", 12, 2, 128)):
         spec = DecoderSpec(num_layers=1, hidden=heads * dim, num_heads=heads, num_kv_heads=kv, head_dim=dim,
@@ -183,7 +250,36 @@ def profile(args, out: Path) -> None:
             gbps = 2 * kc[:, :, :length].numel() * 2 / sec / 1e9
             lines.append(f"attention {name} batch 256 len {length}: {sec * 1e6:.1f} us, {gbps:.0f} GB/s")
     (out / "profile.txt").write_text("\n".join(lines))
-    print("\n".join(lines[-6:]), flush=True)
+    print("\n".join(line for line in lines if not line.startswith(("-", " Name")) and "\n" not in line), flush=True)
+
+
+def head_and_sampler(model, device: str, batch: int) -> list[str]:
+    """The LM head GEMM and the Triton sampler alone at `batch` rows, against the bytes they must move."""
+    import torch.nn.functional as F
+
+    from bench.common import event_time
+    from fleetrl.engines.fast.triton_kernels import TritonKernels
+
+    w = model.lm_head.weight.detach()
+    h = torch.randn(batch, w.shape[1], device=device, dtype=w.dtype)
+    logits = F.linear(h, w)
+    kn = TritonKernels(torch.device(device))
+    req = torch.arange(batch, device=device)
+    temp, seed = torch.ones(1, device=device), torch.zeros(1, dtype=torch.long, device=device)
+    head_s = event_time(lambda: F.linear(h, w), iters=20)
+    head_t_s = event_time(lambda: F.linear(w, h), iters=20)  # logits transposed [V, B]: another cuBLAS shape
+    sample_s = event_time(lambda: kn.sample(logits, temp, seed, req, req, greedy=False), iters=20)
+    greedy_s = event_time(lambda: kn.sample(logits, temp, seed, req, req, greedy=True), iters=20)
+    head_bytes = w.numel() * w.element_size() + logits.numel() * logits.element_size()
+    logit_bytes = logits.numel() * logits.element_size()
+    return [f"lm head [{batch}, {w.shape[1]}] x [{w.shape[0]}, {w.shape[1]}]^T: {head_s * 1e6:.1f} us "
+            f"({head_bytes / head_s / 1e9:.0f} GB/s of weight + logits); transposed product {head_t_s * 1e6:.1f} us",
+            f"sampler batch {batch}: {sample_s * 1e6:.1f} us sampled, {greedy_s * 1e6:.1f} us greedy "
+            f"({logit_bytes / sample_s / 1e9:.0f} GB/s of logits read)"]
+
+
+def _gib(n: int) -> float:
+    return n / 2 ** 30
 
 
 def _logprob_gap(model, ids, mask, out, temperature: float, reduce: str = "max") -> float:
@@ -206,6 +302,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kernels", default="auto")
+    p.add_argument("--fuse", default="auto", choices=("auto", "on", "off"),
+                   help="fast engine's fused q/k/v and gate/up copies (auto = on for CUDA)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--check", action="store_true", help="run the correctness checks first")
     p.add_argument("--check-only", action="store_true")

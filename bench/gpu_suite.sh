@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativepk trainnative checknative
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativepk trainnative checknative decodecheck decode decodeunfused decodeprof
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -82,6 +82,15 @@ for p in $PARTS; do case $p in
     run e2e1_multiturn 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/multiturn.py --engine fast --steps 5 --out "$OUT"
     run e2e1_multiturn_latency 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/multiturn.py --engine fast --steps 5 \
       --latency-s 0.05 --tag _latency50ms --out "$OUT" ;;
+  decode)  # issue 14 item 4: fast engine vs the bytes roofline, 0.5B and 1.5B, batch 64/256 x 256/1024 new tokens
+    run decode 300 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --engines fast --out "$OUT" ;;
+  decodecheck)  # the fast engine on this GPU: greedy == HF in fp32 (Triton/torch kernels, fused on/off), logprob gaps
+    run decode_check 150 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --check-only --out "$OUT" ;;
+  decodeunfused)  # the same grid at batch 256 without the fused copies (the before/after of issue 14 item 4)
+    run decode_unfused 200 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --engines fast --fuse off \
+      --batches 256 --tag _unfused --out "$OUT" ;;
+  decodeprof)  # per-step kernel time by part (fused projections on/off, graphs on/off), LM head and sampler alone
+    run decode_profile 180 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --profile --out "$OUT" ;;
   trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
 esac; done
 python3 - "$OUT" <<'PY'

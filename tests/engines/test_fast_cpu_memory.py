@@ -66,3 +66,15 @@ def test_bf16_compute_on_an_fp32_model_equals_decoding_a_bf16_copy():
 def test_compute_dtype_is_an_engine_argument():
     assert FastRolloutEngine(tiny_model("qwen2"), None, device="cpu", compute_dtype=torch.bfloat16).dtype == torch.bfloat16
     assert FastRolloutEngine(tiny_model("qwen2"), None, device="cpu").dtype == torch.float32
+
+
+def test_batch_buckets_cover_max_batch_in_steps_of_64_above_128():
+    from fleetrl.engines.fast.graphs import batch_buckets
+
+    # powers of two to 128, then +64: 14 buckets (graphs per sampling mode) for max_batch 512
+    assert batch_buckets(512) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert batch_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 300]  # the last one is max_batch
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100] and batch_buckets(1) == [1]
+    # a 300-row call gets 320 slots of cache, not 512
+    eng = FastRolloutEngine(tiny_model("llama"), CharTokenizer(None), device="cpu", max_batch=512, max_seq_len=64)
+    assert eng._ready(300, 8).slots == 320

@@ -1,8 +1,9 @@
 """What the fast engine reads from a Hugging Face Llama / Qwen2 decoder: its shape and its weight tensors.
 
-Weights are looked up on the HF modules every time `model_weights` is called and are never copied: when the
-engine is colocated with the trainer it decodes with the trainer's own parameters, so an optimizer step is
-visible to the next `generate` with no weight sync. (CUDA graphs bake the tensors' addresses in; the engine
+Weights are looked up on the HF modules every time `model_weights` is called and are never copied here: when
+the engine is colocated with the trainer it decodes with the trainer's own parameters, so an optimizer step is
+visible to the next `generate` with no weight sync (fused.py's q/k/v and gate/up copies, an engine option,
+are refreshed when the engine is told the weights changed). (CUDA graphs bake the tensors' addresses in; the engine
 compares `weight_fingerprint` before each call and re-captures if a parameter was re-allocated.)
 """
 from __future__ import annotations
@@ -51,6 +52,12 @@ class LayerWeights:
     bu: torch.Tensor | None
     wd: torch.Tensor
     bd: torch.Tensor | None
+    # Fused copies (fused.py), None when the engine reads the projections separately: wq/wk/wv (wg/wu) are then
+    # row views of wqkv [q + 2 kv, hidden] (wgu [2 I, hidden]), so both names read the same memory.
+    wqkv: torch.Tensor | None = None
+    bqkv: torch.Tensor | None = None
+    wgu: torch.Tensor | None = None
+    bgu: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,12 @@
 """FastRolloutEngine: continuous-batching decode with a static KV cache and CUDA graphs, on the model's own weights.
 
 Colocated use (the default): the engine is handed the trainer's HF model and reads its parameter tensors in
-place at every step (`arch.model_weights`); nothing is copied, so after an optimizer step the next `generate`
-samples from the new policy. `load_weights` is for a separate rollout pool: it copies named tensors into the
-parameters (in place, so captured graphs stay valid) and records the version. If the model's parameters are
-re-allocated (e.g. `model.to(...)`), the next call notices the new addresses and re-captures its graphs.
+place at every step (`arch.model_weights`), so after an optimizer step the next `generate` samples from the new
+policy. The one exception is `fuse_projections` (on by default on CUDA): q/k/v and gate/up are read from fused
+copies (fused.py), refreshed when `weights_version` is assigned, which the trainer's sync does. `load_weights`
+is for a separate rollout pool: it copies named tensors into the parameters (in place, so captured graphs stay
+valid) and records the version. If the model's parameters are re-allocated (e.g. `model.to(...)`), the next
+call notices the new addresses and re-captures its graphs.
 
 Scheduling: up to `max_batch` slots. Prompts wait in input order; whenever slots are free, waiting prompts are
 prefilled into them (lowest slot first) and join the decode batch. A slot stops at its request's own limit
@@ -55,12 +57,18 @@ class FastRolloutEngine:
     copy of the weights cast at its start and freed at its end (2 bytes x parameters while generating); None
     = rollout.compute_dtype of the run config, else the model's.
     Sampled-token logprobs then come from the cast weights (the trainer's recomputation stays in its dtype).
+    fuse_projections: decode with fused q/k/v and gate/up copies (fused.py: one more copy of those weights,
+    0.47 GB for Qwen2.5-0.5B bf16, 1.72 GB for 1.5B); None = on for CUDA, off on CPU. The copies are refreshed
+    where the engine learns the weights changed: `weights_version` assigned (the colocated trainer's sync sets
+    it, `load_weights` too), parameters re-allocated, LoRA adapters merged (each call). A caller that changes
+    the weights in place by other means assigns `weights_version` before the next `generate`.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: object | None, *, device: torch.device | str,
                  max_batch: int = 256, max_seq_len: int = 2048, use_cuda_graphs: bool | None = None, seed: int = 0,
                  kernels: Literal["auto", "triton", "torch"] = "auto", sync_every: int = 16,
-                 prefill_tokens: int = 32768, compute_dtype: torch.dtype | None = None) -> None:
+                 prefill_tokens: int = 32768, compute_dtype: torch.dtype | None = None,
+                 fuse_projections: bool | None = None) -> None:
         if max_batch < 1 or max_seq_len < 2 or sync_every < 1:
             raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, sync_every >= 1; got {max_batch}, "
                              f"{max_seq_len}, {sync_every}")
@@ -79,14 +87,15 @@ class FastRolloutEngine:
                              "weight copy would invalidate CUDA graphs; cast the model instead, or pass "
                              "use_cuda_graphs=False")
         self.kernels = _load_kernels(kernels, self.device, self.spec, self.dtype)
-        self._fwd = DecoderForward(model, self.spec, max_seq_len, self.dtype, self.device, self.kernels)
+        fuse = self.device.type == "cuda" if fuse_projections is None else fuse_projections
+        self._fwd = DecoderForward(model, self.spec, max_seq_len, self.dtype, self.device, self.kernels, fuse)
         self._eos = _eos_ids(model, tokenizer)
         self._rng = torch.Generator().manual_seed(seed)
         self._buckets = batch_buckets(max_batch)  # per-allocation buckets are these, capped at its slot count
         self._buf: SlotBuffers | None = None
         self._graphs: DecodeGraphs | None = None
         self._fingerprint: tuple[int, ...] = ()
-        self.weights_version = 0
+        self.weights_version = 0  # a property: assigning it marks the fused copies stale
         self.stats = {"decode_steps": 0, "decode_rows": 0, "prefills": 0, "prefilled_prompts": 0, "syncs": 0,
                       "moved_slots": 0}
 
@@ -105,6 +114,8 @@ class FastRolloutEngine:
             self._fwd.cast_for_call(self.dtype)
             if not self.use_cuda_graphs:
                 self._fwd.merged = None  # the cast copy holds the merge now
+        else:
+            self._fwd.refresh_fused()  # before any graph is captured: graphs read the fused buffers
         try:
             tok, lp, counts = self._run(buf, rows, limits, key)
         finally:
@@ -127,11 +138,25 @@ class FastRolloutEngine:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model's is {tuple(target.shape)}")
             target.data.copy_(tensor)  # in place: captured graphs keep pointing at the right memory
-        self.weights_version = version
+        self.weights_version = version  # marks the fused copies stale
+
+    @property
+    def weights_version(self) -> int:
+        return self._weights_version
+
+    @weights_version.setter
+    def weights_version(self, version: int) -> None:
+        """Recording a version is how the engine learns its weights changed (colocated sync, load_weights)."""
+        self._weights_version = version
+        if self._fwd.fused is not None:
+            self._fwd.fused.stale = True
 
     def sleep(self) -> None:
-        """Frees the KV cache, slot buffers and graphs. The weights stay: they are the trainer's tensors."""
+        """Frees the KV cache, slot buffers, graphs and fused projection copies. The weights stay: they are the
+        trainer's tensors."""
         self._buf, self._graphs = None, None
+        if self._fwd.fused is not None:
+            self._fwd.fused.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -165,6 +190,8 @@ class FastRolloutEngine:
         fingerprint = weight_fingerprint(model_weights(self.model))
         if fingerprint != self._fingerprint:  # parameters re-allocated: graphs hold stale addresses
             self._fingerprint, self._graphs = fingerprint, None
+            if self._fwd.fused is not None:  # and new values, most likely (FSDP2 unshards each call)
+                self._fwd.fused.stale = True
         if self.use_cuda_graphs and self._graphs is None:
             self._graphs = DecodeGraphs(self._step, self._buf.step_state())
         return self._buf

@@ -23,6 +23,7 @@ from fleetrl.engines.fast.arch import (
     model_weights,
     rope_tables,
 )
+from fleetrl.engines.fast.fused import FusedProjections
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,12 +40,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def _mlp(h: torch.Tensor, lw: Any) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(h, lw.wg, lw.bg)) * F.linear(h, lw.wu, lw.bu), lw.wd, lw.bd)
+    if lw.wgu is not None:
+        gate, up = F.linear(h, lw.wgu, lw.bgu).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(h, lw.wg, lw.bg), F.linear(h, lw.wu, lw.bu)
+    return F.linear(F.silu(gate) * up, lw.wd, lw.bd)
+
+
+def _qkv(h: torch.Tensor, lw: Any, spec: DecoderSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [..., hidden] -> q [..., H·d], k, v [..., KVH·d]: one GEMM with the fused matrix, else three."""
+    if lw.wqkv is None:
+        return F.linear(h, lw.wq, lw.bq), F.linear(h, lw.wk, lw.bk), F.linear(h, lw.wv, lw.bv)
+    kv = spec.num_kv_heads * spec.head_dim
+    return F.linear(h, lw.wqkv, lw.bqkv).split((spec.num_heads * spec.head_dim, kv, kv), dim=-1)
 
 
 class DecoderForward:
     def __init__(self, model: torch.nn.Module, spec: DecoderSpec, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device, kernels: Any | None) -> None:
+                 device: torch.device, kernels: Any | None, fuse: bool = False) -> None:
         self.model = model
         self.spec = spec
         self.kernels = kernels
@@ -59,11 +72,20 @@ class DecoderForward:
         self.shadow: ModelWeights | None = None
         # A LoRA actor's weights with its adapters merged (set by `merge_adapters`); None = no adapters.
         self.merged: ModelWeights | None = None
+        # Fused q/k/v and gate/up copies (fused.py), read at fixed addresses; None = the model's own tensors.
+        self.fused: FusedProjections | None = FusedProjections() if fuse else None
 
     def weights(self) -> ModelWeights:
         if self.shadow is not None:
             return self.shadow
-        return self.merged if self.merged is not None else model_weights(self.model)
+        base = self.merged if self.merged is not None else model_weights(self.model)
+        return base if self.fused is None else self.fused.attach(base)
+
+    def refresh_fused(self) -> None:
+        """Brings the fused copies up to the current (merged) weights when the engine marked them stale; a
+        LoRA merge is new at every call, so it is always copied."""
+        if self.fused is not None and (self.fused.stale or self.merged is not None):
+            self.fused.refresh(self.merged if self.merged is not None else model_weights(self.model))
 
     def merge_adapters(self, keep: bool, dtype: torch.dtype | None = None) -> None:
         """Merges the model's LoRA adapters (which change between calls) for the next call. `keep`: into the
@@ -74,7 +96,12 @@ class DecoderForward:
     def cast_for_call(self, dtype: torch.dtype) -> None:
         """Takes a `dtype` copy of the model's current (merged) weights (they change in place between calls)."""
         self.shadow = None  # free the previous copy first
-        self.shadow = cast_weights(self.merged if self.merged is not None else model_weights(self.model), dtype)
+        base = self.merged if self.merged is not None else model_weights(self.model)
+        if self.fused is not None:  # cast straight into fused buffers of this call: no unfused copy is made
+            call = FusedProjections()
+            call.refresh(base, dtype)
+            base = call.attach(base)
+        self.shadow = cast_weights(base, dtype)
 
     # ----------------------------------------------------------------------------------------- prefill
     def prefill(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -89,10 +116,10 @@ class DecoderForward:
         x = F.embedding(tokens, w.embed)
         cos, sin = self.cos[:plen][None, None], self.sin[:plen][None, None]
         for layer, lw in enumerate(w.layers):
-            h = rms_norm(x, lw.ln1, s.rms_eps)
-            q = F.linear(h, lw.wq, lw.bq).view(n, plen, s.num_heads, s.head_dim).transpose(1, 2)
-            k = F.linear(h, lw.wk, lw.bk).view(n, plen, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            v = F.linear(h, lw.wv, lw.bv).view(n, plen, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            q, k, v = _qkv(rms_norm(x, lw.ln1, s.rms_eps), lw, s)
+            q = q.reshape(n, plen, s.num_heads, s.head_dim).transpose(1, 2)
+            k = k.reshape(n, plen, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            v = v.reshape(n, plen, s.num_kv_heads, s.head_dim).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k_cache[layer][slots, :, :plen] = k
             v_cache[layer][slots, :, :plen] = v
@@ -122,10 +149,10 @@ class DecoderForward:
         # [nb, 1, 1, kv_len]; a slot whose pos >= kv_len (a done slot) just sees all of it, never an empty row
         mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]
         for layer, lw in enumerate(w.layers):
-            h = rms_norm(x, lw.ln1, s.rms_eps)
-            q = apply_rope(F.linear(h, lw.wq, lw.bq).view(nb, s.num_heads, s.head_dim), cos, sin)
-            k = apply_rope(F.linear(h, lw.wk, lw.bk).view(nb, s.num_kv_heads, s.head_dim), cos, sin)
-            v = F.linear(h, lw.wv, lw.bv).view(nb, s.num_kv_heads, s.head_dim)
+            q, k, v = _qkv(rms_norm(x, lw.ln1, s.rms_eps), lw, s)
+            q = apply_rope(q.reshape(nb, s.num_heads, s.head_dim), cos, sin)
+            k = apply_rope(k.reshape(nb, s.num_kv_heads, s.head_dim), cos, sin)
+            v = v.reshape(nb, s.num_kv_heads, s.head_dim)
             k_cache[layer][rows, :, pos] = k
             v_cache[layer][rows, :, pos] = v
             # GQA without repeating K/V: the G query heads of a KV head act as G query rows of one head.
@@ -145,11 +172,17 @@ class DecoderForward:
         delta = None
         for layer, lw in enumerate(w.layers):
             kn.add_rmsnorm(x, delta, lw.ln1, s.rms_eps, h)
-            q, k, v = self._linears(h, (lw.wq, lw.bq), (lw.wk, lw.bk), (lw.wv, lw.bv))
+            if lw.wqkv is not None:  # one GEMM; q, k, v are column views of its rows (the kernels take strides)
+                q, k, v = _qkv(h, lw, s)
+            else:
+                q, k, v = self._linears(h, (lw.wq, lw.bq), (lw.wk, lw.bk), (lw.wv, lw.bv))
             kn.rope_cache_write(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s)
             o = kn.decode_attention(q, k_cache[layer], v_cache[layer], pos, s, self.scale)
             kn.add_rmsnorm(x, F.linear(o, lw.wo, lw.bo), lw.ln2, s.rms_eps, h)
-            gate, up = self._linears(h, (lw.wg, lw.bg), (lw.wu, lw.bu))
+            if lw.wgu is not None:
+                gate, up = F.linear(h, lw.wgu, lw.bgu).chunk(2, dim=-1)
+            else:
+                gate, up = self._linears(h, (lw.wg, lw.bg), (lw.wu, lw.bu))
             delta = F.linear(kn.silu_mul(gate, up), lw.wd, lw.bd)
         kn.add_rmsnorm(x, delta, w.norm, s.rms_eps, h)
         return F.linear(h, w.lm_head)

@@ -11,7 +11,9 @@ layer to ~13 launches, and the attention kernel reads each slot's KV only up to 
                     so K/V are read once per KV head (GQA); a second kernel merges the splits' softmax states
                     (skipped when the batch alone fills the GPU and one split covers the cache)
   silu_mul          silu(gate) * up
-  sample            temperature + Gumbel-max sampling + log-sum-exp in one pass over the logits, then a merge
+  sample            pass 1 reads the logits once (per block: max, sum of exp); pass 2 per row: log-sum-exp, then
+                    the token in two exact stages (sampling.py): a block by inverse CDF over the block masses
+                    (fp64), then a token within that block by the exponential race (Gumbel-max)
   step_update       append the sampled token, advance positions, update done flags (one launch)
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ from fleetrl.engines.fast.arch import DecoderSpec
 
 ATTN_SPLIT = 256      # cache positions per split program
 ATTN_BLOCK_N = 64     # positions per inner tile
-SAMPLE_BLOCK_V = 4096
+SAMPLE_BLOCK_V = 4096  # logits per pass-1 program, and the block pass 2 draws its token from
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -47,7 +50,7 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.c
 
 @triton.jit
 def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, s_slot, s_head, s_pos,
-                       H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
+                       s_q, s_kv, H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
                        HALF: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + b)
@@ -56,15 +59,15 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, v
     s = tl.load(sin_ptr + pos * 2 * HALF + d).to(tl.float32)
     hq = tl.arange(0, H_PAD)[:, None]
     mq = hq < H
-    qp = q_ptr + b * H * 2 * HALF + hq * 2 * HALF + d
+    qp = q_ptr + b * s_q + hq * 2 * HALF + d
     q1 = tl.load(qp, mask=mq, other=0.0).to(tl.float32)
     q2 = tl.load(qp + HALF, mask=mq, other=0.0).to(tl.float32)
     tl.store(qp, (q1 * c - q2 * s).to(q_ptr.dtype.element_ty), mask=mq)
     tl.store(qp + HALF, (q2 * c + q1 * s).to(q_ptr.dtype.element_ty), mask=mq)
     hk = tl.arange(0, KVH_PAD)[:, None]
     mk = hk < KVH
-    kp = k_ptr + b * KVH * 2 * HALF + hk * 2 * HALF + d
-    vp = v_ptr + b * KVH * 2 * HALF + hk * 2 * HALF + d
+    kp = k_ptr + b * s_kv + hk * 2 * HALF + d
+    vp = v_ptr + b * s_kv + hk * 2 * HALF + d
     k1 = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(kp + HALF, mask=mk, other=0.0).to(tl.float32)
     dst = b * s_slot + hk * s_head + pos * s_pos + d
@@ -76,7 +79,7 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, v
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out_ptr, scale, s_slot, s_head,
-                        s_pos, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                        s_pos, s_q, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                         D: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                         IEEE: tl.constexpr):
     pid = tl.program_id(0)
@@ -90,7 +93,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out
     gmask = g < G
     d = tl.arange(0, D)
     heads = kh * G + g
-    q = tl.load(q_ptr + b * H * D + heads[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+    q = tl.load(q_ptr + b * s_q + heads[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -143,82 +146,85 @@ def _decode_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, D: tl.constexpr, NSPLIT: 
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, s_in, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(g_ptr + row * s_in + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * s_in + cols, mask=mask, other=0.0).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(y_ptr.dtype.element_ty).to(tl.float32)  # HF rounds silu() to the dtype first
-    tl.store(y_ptr + offs, (act * u).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * n_cols + cols, (act * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _sample_sub_block(x_ptr, row, stride, V, temp, cols, r, GREEDY: tl.constexpr):
-    """(best key, its index in `cols`, max z, sum exp(z - max z)) over one sub-block; z = logits / T."""
-    z = tl.load(x_ptr + row * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
-    m = tl.max(z, 0)
-    e = tl.exp(z - tl.where(m == float("-inf"), 0.0, m))  # an all-padding sub-block has m = -inf, e = 0
-    if GREEDY:
-        best = tl.argmax(z, 0)
-        kmax = m
-    else:
-        # exponential race, equivalent to Gumbel-max: argmax_i p_i / E_i with E_i ~ Exp(1) samples i ~ p,
-        # and reuses the exp() the log-sum-exp needs (one log per element instead of two)
-        ratio = e / -tl.log(tl.random.uint_to_uniform_float(r))
-        best = tl.argmax(ratio, 0)
-        kmax = m + tl.log(tl.max(ratio, 0))
-    return kmax, best, m, tl.sum(e, 0)
-
-
-@triton.jit
-def _sample_partial_kernel(x_ptr, stride, V, temp_ptr, seed_ptr, req_ptr, cnt_ptr, kmax_ptr, kidx_ptr,
-                           bmax_ptr, bsum_ptr, NBLK, GREEDY: tl.constexpr, BLOCK_V: tl.constexpr):
+def _sample_stats_kernel(x_ptr, stride, V, temp_ptr, bmax_ptr, bsum_ptr, bidx_ptr, NBLK,
+                         GREEDY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass 1, grid (row, block): the block's max logit, sum of exp((x - max) / T), and (greedy) its argmax."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    Q: tl.constexpr = BLOCK_V // 4
-    temp = tl.load(temp_ptr)
-    lanes = tl.arange(0, Q)
-    base = blk * BLOCK_V
-    if GREEDY:
-        r0, r1, r2, r3 = lanes, lanes, lanes, lanes  # unused
-    else:
-        # one Philox4x32 call yields the uniforms of 4 sub-blocks; key = (call seed, request, token index)
-        seed = tl.load(seed_ptr) * 1099511627776 + tl.load(req_ptr + row) * 1048576 + tl.load(cnt_ptr + row)
-        r0, r1, r2, r3 = tl.randint4x(seed, blk * Q + lanes)
-    k0, i0, m0, s0 = _sample_sub_block(x_ptr, row, stride, V, temp, base + lanes, r0, GREEDY)
-    k1, i1, m1, s1 = _sample_sub_block(x_ptr, row, stride, V, temp, base + Q + lanes, r1, GREEDY)
-    k2, i2, m2, s2 = _sample_sub_block(x_ptr, row, stride, V, temp, base + 2 * Q + lanes, r2, GREEDY)
-    k3, i3, m3, s3 = _sample_sub_block(x_ptr, row, stride, V, temp, base + 3 * Q + lanes, r3, GREEDY)
-    kmax, kidx = k0, i0
-    kidx = tl.where(k1 > kmax, Q + i1, kidx)  # strict '>': ties keep the lower token id
-    kmax = tl.maximum(kmax, k1)
-    kidx = tl.where(k2 > kmax, 2 * Q + i2, kidx)
-    kmax = tl.maximum(kmax, k2)
-    kidx = tl.where(k3 > kmax, 3 * Q + i3, kidx)
-    kmax = tl.maximum(kmax, k3)
-    m = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))  # sub-block 0 always holds a real column
-    bsum = s0 * tl.exp(m0 - m) + s1 * tl.exp(m1 - m) + s2 * tl.exp(m2 - m) + s3 * tl.exp(m3 - m)
+    cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    x = tl.load(x_ptr + row * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    c = LOG2E / tl.load(temp_ptr)
+    e = tl.exp2((x - tl.where(m == float("-inf"), 0.0, m)) * c)  # an all-padding block has m = -inf, e = 0
     out = row * NBLK + blk
-    tl.store(kmax_ptr + out, kmax)
-    tl.store(kidx_ptr + out, base + kidx)
     tl.store(bmax_ptr + out, m)
-    tl.store(bsum_ptr + out, bsum)
+    tl.store(bsum_ptr + out, tl.sum(e, 0))
+    if GREEDY:
+        tl.store(bidx_ptr + out, blk * BLOCK_V + tl.argmax(x, 0))  # ties -> lowest id, as torch.argmax
 
 
 @triton.jit
-def _sample_merge_kernel(x_ptr, stride, temp_ptr, kmax_ptr, kidx_ptr, bmax_ptr, bsum_ptr, tok_ptr, lp_ptr, NBLK,
-                         NB_PAD: tl.constexpr):
+def _race_sub_block(x_ptr, row, stride, V, m, c, cols, r):
+    """(best p_i / E_i, its index in `cols`) with E_i = -log U_i ~ Exp(1), p_i = exp((x_i - m) / T)."""
+    x = tl.load(x_ptr + row * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    ratio = tl.exp2((x - m) * c) / -tl.log(tl.random.uint_to_uniform_float(r))
+    return tl.max(ratio, 0), tl.argmax(ratio, 0)
+
+
+@triton.jit
+def _sample_select_kernel(x_ptr, stride, V, temp_ptr, seed_ptr, req_ptr, cnt_ptr, bmax_ptr, bsum_ptr, bidx_ptr,
+                          tok_ptr, lp_ptr, NBLK, GREEDY: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass 2, one program per row: log-sum-exp from the block stats, then the token (module docstring)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NB_PAD)
     mask = i < NBLK
-    kmax = tl.load(kmax_ptr + row * NBLK + i, mask=mask, other=float("-inf"))
-    best = tl.argmax(kmax, 0)  # ties -> lowest block, i.e. lowest token id, as torch.argmax
-    tok = tl.load(kidx_ptr + row * NBLK + best)
     bmax = tl.load(bmax_ptr + row * NBLK + i, mask=mask, other=float("-inf"))
     bsum = tl.load(bsum_ptr + row * NBLK + i, mask=mask, other=0.0)
+    temp = tl.load(temp_ptr)
+    c = LOG2E / temp
     m = tl.max(bmax, 0)
-    lse = m + tl.log(tl.sum(bsum * tl.exp(bmax - m), 0))
-    z_tok = tl.load(x_ptr + row * stride + tok).to(tl.float32) / tl.load(temp_ptr)
+    w = tl.where(mask, bsum * tl.exp2((bmax - m) * c), 0.0)  # block masses, on the row max's scale
+    lse = m / temp + tl.log(tl.sum(w, 0))
+    if GREEDY:
+        tok = tl.load(bidx_ptr + row * NBLK + tl.argmax(bmax, 0))
+    else:
+        # one Philox4x32 call per 4 x Q uniforms; key = (call seed, request, token index), never the slot
+        seed = tl.load(seed_ptr) * 1099511627776 + tl.load(req_ptr + row) * 1048576 + tl.load(cnt_ptr + row)
+        one = tl.arange(0, 1)
+        a, b, _, _ = tl.randint4x(seed, one)
+        # stage 1: the block, by inverse CDF over the block masses with a 53-bit uniform in fp64
+        u = (tl.sum((a >> 5).to(tl.float64), 0) * 67108864.0 + tl.sum((b >> 6).to(tl.float64), 0)) * (2.0 ** -53)
+        cw = tl.cumsum(w.to(tl.float64), 0)
+        target = u * tl.max(cw, 0)
+        blk = tl.minimum(tl.sum(((cw <= target) & mask).to(tl.int32), 0), NBLK - 1)
+        # stage 2: the token within it, by the exponential race over that block's 4 x Q logits
+        Q: tl.constexpr = BLOCK_V // 4
+        lanes = tl.arange(0, Q)
+        base = blk * BLOCK_V
+        r0, r1, r2, r3 = tl.randint4x(seed, lanes + 1)
+        k0, i0 = _race_sub_block(x_ptr, row, stride, V, m, c, base + lanes, r0)
+        k1, i1 = _race_sub_block(x_ptr, row, stride, V, m, c, base + Q + lanes, r1)
+        k2, i2 = _race_sub_block(x_ptr, row, stride, V, m, c, base + 2 * Q + lanes, r2)
+        k3, i3 = _race_sub_block(x_ptr, row, stride, V, m, c, base + 3 * Q + lanes, r3)
+        kmax, kidx = k0, i0
+        kidx = tl.where(k1 > kmax, Q + i1, kidx)  # strict '>': ties keep the lower token id
+        kmax = tl.maximum(kmax, k1)
+        kidx = tl.where(k2 > kmax, 2 * Q + i2, kidx)
+        kmax = tl.maximum(kmax, k2)
+        kidx = tl.where(k3 > kmax, 3 * Q + i3, kidx)
+        tok = (base + kidx).to(tl.int64)
+    z_tok = tl.load(x_ptr + row * stride + tok).to(tl.float32) / temp
     tl.store(tok_ptr + row, tok)
     tl.store(lp_ptr + row, z_tok - lse)
 
@@ -271,8 +277,10 @@ class TritonKernels:
     def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                          spec: DecoderSpec) -> None:
+        # q, k, v may be column views of one fused GEMM output: rows are strided, each row's heads contiguous
+        assert q.stride(1) == k.stride(1) == v.stride(1) == 1 and k.stride(0) == v.stride(0)
         _rope_cache_kernel[(q.shape[0],)](q, k, v, cos, sin, pos, kc, vc, kc.stride(0), kc.stride(1), kc.stride(2),
-                                          H=spec.num_heads, KVH=spec.num_kv_heads, H_PAD=_pow2(spec.num_heads),
+                                          q.stride(0), k.stride(0), H=spec.num_heads, KVH=spec.num_kv_heads, H_PAD=_pow2(spec.num_heads),
                                           KVH_PAD=_pow2(spec.num_kv_heads), HALF=spec.head_dim // 2, num_warps=2)
 
     def attention_splits(self, nb: int, kv_heads: int, max_len: int) -> tuple[int, int]:
@@ -289,9 +297,10 @@ class TritonKernels:
         parts = torch.empty(nb, spec.num_heads, nsplit, spec.head_dim, dtype=torch.float32, device=q.device)
         m = torch.empty(nb, spec.num_heads, nsplit, dtype=torch.float32, device=q.device)
         lsum = torch.empty_like(m)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
+        assert q.stride(1) == 1
         _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
-            q, kc, vc, pos, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2),
+            q, kc, vc, pos, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2), q.stride(0),
             H=spec.num_heads, KVH=spec.num_kv_heads, G=spec.group, G_PAD=max(16, _pow2(spec.group)),
             D=spec.head_dim, SPLIT=split, NSPLIT=nsplit, BLOCK_N=ATTN_BLOCK_N,
             IEEE=q.dtype == torch.float32, num_warps=4)
@@ -301,9 +310,11 @@ class TritonKernels:
         return out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(gate)
-        n = gate.numel()
-        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
+        """gate, up [n, I] (column views of one fused [n, 2I] output, or two contiguous tensors) -> [n, I]."""
+        assert gate.stride() == up.stride() and gate.stride(1) == 1
+        n, cols = gate.shape
+        out = torch.empty(n, cols, dtype=gate.dtype, device=gate.device)
+        _silu_mul_kernel[(n, triton.cdiv(cols, 1024))](gate, up, out, cols, gate.stride(0), BLOCK=1024, num_warps=4)
         return out
 
     def step_update(self, tok: torch.Tensor, lp: torch.Tensor, done: torch.Tensor, count: torch.Tensor,
@@ -317,16 +328,17 @@ class TritonKernels:
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, req: torch.Tensor,
                count: torch.Tensor, *, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [n, V] in the model dtype -> (token [n] long, logprob [n] fp32); two launches, no [n, V] copy."""
         n, vocab = logits.shape
         nblk = triton.cdiv(vocab, SAMPLE_BLOCK_V)
-        kmax = torch.empty(n, nblk, dtype=torch.float32, device=logits.device)
-        kidx = torch.empty(n, nblk, dtype=torch.long, device=logits.device)
-        bmax, bsum = torch.empty_like(kmax), torch.empty_like(kmax)
-        _sample_partial_kernel[(n, nblk)](logits, logits.stride(0), vocab, temperature, seed, req, count, kmax,
-                                          kidx, bmax, bsum, nblk, GREEDY=greedy, BLOCK_V=SAMPLE_BLOCK_V,
-                                          num_warps=8)
+        bmax = torch.empty(n, nblk, dtype=torch.float32, device=logits.device)
+        bsum = torch.empty_like(bmax)
+        bidx = torch.empty(n, nblk, dtype=torch.long, device=logits.device)
+        _sample_stats_kernel[(n, nblk)](logits, logits.stride(0), vocab, temperature, bmax, bsum, bidx, nblk,
+                                        GREEDY=greedy, BLOCK_V=SAMPLE_BLOCK_V, num_warps=8)
         tok = torch.empty(n, dtype=torch.long, device=logits.device)
         lp = torch.empty(n, dtype=torch.float32, device=logits.device)
-        _sample_merge_kernel[(n,)](logits, logits.stride(0), temperature, kmax, kidx, bmax, bsum, tok, lp, nblk,
-                                   NB_PAD=max(2, _pow2(nblk)), num_warps=1)
+        _sample_select_kernel[(n,)](logits, logits.stride(0), vocab, temperature, seed, req, count, bmax, bsum, bidx,
+                                    tok, lp, nblk, GREEDY=greedy, NB_PAD=max(2, _pow2(nblk)),
+                                    BLOCK_V=SAMPLE_BLOCK_V, num_warps=8)
         return tok, lp

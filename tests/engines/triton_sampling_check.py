@@ -1,0 +1,57 @@
+"""Run by test_fast_sampling.py with TRITON_INTERPRET=1: the Triton sampler and the fused Triton decode on CPU.
+
+Exits non-zero (an AssertionError) when a check fails. Blocks of 64 columns make a 200-token vocab span 4
+blocks, so both stages of the sampler (block by inverse CDF, token by the race within it) are exercised.
+"""
+from __future__ import annotations
+
+import torch
+
+import fleetrl.engines.fast.triton_kernels as tk
+from fleetrl.engines.fast import FastRolloutEngine
+from fleetrl.engines.protocol import SamplingParams
+from tests.engines.test_fast import CharTokenizer, left_padded, tiny_model
+
+CHI2_001_DF4 = 18.47  # p = 0.001 critical value, 5 categories
+
+
+def check_sampler(rows: int = 2000, temperature: float = 0.8) -> None:
+    tk.SAMPLE_BLOCK_V = 64
+    kn = tk.TritonKernels(torch.device("cpu"))
+    logits = torch.full((200,), -40.0)
+    hot = {3: 1.0, 64: -1.5, 70: 0.2, 130: -0.5, 199: 0.7}  # in blocks 0, 1, 1, 2, 3
+    for t, v in hot.items():
+        logits[t] = v
+    batch = logits[None].repeat(rows, 1).to(torch.bfloat16)
+    req = torch.arange(rows)
+    temp = torch.tensor([temperature])
+    tok, lp = kn.sample(batch, temp, torch.tensor([12345]), req, torch.zeros_like(req), greedy=False)
+    ref = torch.log_softmax(batch.float() / temperature, -1)
+    assert float((lp - ref[0, tok]).abs().max()) < 1e-6
+    counts = torch.bincount(tok, minlength=200).double()
+    probs = torch.softmax(batch[0].float() / temperature, 0).double()
+    ids = sorted(hot)
+    assert counts[ids].sum() == rows, "a -40 logit (probability ~1e-22) was drawn"
+    chi2 = float(((counts[ids] - rows * probs[ids]) ** 2 / (rows * probs[ids])).sum())
+    assert chi2 < CHI2_001_DF4, chi2
+    tok, lp = kn.sample(batch, torch.tensor([1.0]), torch.tensor([1]), req, req, greedy=True)
+    assert bool((tok == 3).all()) and float((lp - torch.log_softmax(batch.float(), -1)[0, 3]).abs().max()) < 1e-6
+
+
+def check_fused_decode() -> None:
+    for arch in ("llama", "qwen2"):
+        model = tiny_model(arch)
+        ids, mask = left_padded([3, 9, 6, 1])
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+        outs = [FastRolloutEngine(model, CharTokenizer(None), device="cpu", max_seq_len=64, kernels=kernels,
+                                  fuse_projections=fuse).generate(ids, mask, greedy)
+                for kernels, fuse in (("torch", False), ("triton", False), ("triton", True))]
+        for out in outs[1:]:
+            assert torch.equal(out.responses, outs[0].responses), arch
+            assert float((out.logprobs - outs[0].logprobs).abs().max()) < 1e-5, arch
+
+
+if __name__ == "__main__":
+    check_sampler()
+    check_fused_decode()
+    print("ok")
