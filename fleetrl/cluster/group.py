@@ -153,7 +153,8 @@ class WorkerGroup:
         c = self.plan.config.cluster
         try:
             return watch(self.calls(refs), verb=verb, timeout_s=self.deadlines.of(verb), stall_s=c.stall_s,
-                         stall_dir=self.stall_dir(), step=self.step)
+                         stall_dir=self.stall_dir(), step=self.step,
+                         first_call_stall_s=c.first_call_stall_s if self.deadlines.first(verb) else None)
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as e:
             raise WorkerLostError(f"pool '{self.pool.name}': a worker died: {e}") from e
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Collection
 import ray
 
 from fleetrl.cluster.group import WorkerGroup, WorkerLostError
-from fleetrl.cluster.watchdog import Call, StallError, _diagnose, _read_pings
+from fleetrl.cluster.watchdog import Call, StallError, _diagnose, _read_pings, stall_limit, stall_reason
 
 
 @dataclass
@@ -39,11 +39,12 @@ class Stream:
         self.pings: dict[int, Any] = {}
         self.last_count: dict[int, int] = {}
         self.last_move: dict[int, float] = {}
+        self.last_answer: dict[int, float] = {}
 
     def submit(self, rank: int, method: Callable, *args: Any) -> Any:
         now = time.monotonic()
         if not self._has_pending(rank):
-            self.last_move[rank] = now  # an idle worker's clock starts with its new call
+            self.last_move[rank] = self.last_answer[rank] = now  # an idle worker's clocks start with its new call
         ref = self.group.submit(rank, method, *args)
         self.pending[ref] = _Pending(rank, method.__name__, now)
         return ref
@@ -63,7 +64,7 @@ class Stream:
                 return {ref: self._collect(ref) for ref in ready}
             now = time.monotonic()
             busy = [i for i in range(len(calls)) if self._has_pending(i)]
-            _read_pings(calls, busy, self.pings, self.last_count, self.last_move, now)
+            _read_pings(calls, busy, self.pings, self.last_count, self.last_move, now, self.last_answer)
             self._check(calls, busy, now, start)
 
     def _collect(self, ref: Any) -> Any:
@@ -81,12 +82,14 @@ class Stream:
     def _check(self, calls: list[Call], busy: list[int], now: float, start: float) -> None:
         c = self.group.plan.config.cluster
         last_move = self.last_move
-        stuck = [i for i in busy if now - last_move[i] > c.stall_s]
+        first = {i: c.first_call_stall_s if self.group.deadlines.first(self._head(i).verb) else None for i in busy}
+        limits = {i: stall_limit(c.stall_s, first[i], now - self.last_answer.get(i, now)) for i in busy}
+        stuck = [i for i in busy if now - last_move[i] > limits[i]]
         late = [i for i in busy if now - self._head_start(i) > self.group.deadlines.of(self._head(i).verb)]
         if not stuck and not late:
             return
         i = (stuck or late)[0]
-        why = (f"made no progress for {now - last_move[i]:.0f}s (cluster.stall_s={c.stall_s:g})" if stuck else
+        why = (stall_reason(now - last_move[i], limits[i], c.stall_s) if stuck else
                f"did not finish within the call deadline of {self.group.deadlines.of(self._head(i).verb):.0f}s "
                f"(cluster.call_timeout_s)")
         raise StallError(_diagnose([calls[j] for j in (stuck or late)], calls, self._head(i).verb, why, now - start,

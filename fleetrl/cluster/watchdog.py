@@ -5,6 +5,9 @@ Progress is read on a side channel: each worker actor has one free concurrency s
 answers the process's heartbeat count (fleetrl/heartbeat.py: decode steps, micro-batches, weight buckets). A
 worker whose count has not moved — or that has not answered at all (a SIGSTOPped process, a frozen node) — for
 `cluster.stall_s` is stalled. A slow worker that keeps beating is left alone until the call's deadline.
+The first call of each verb compiles kernels (flex attention, torch.compile, Triton autotuning) for minutes
+without a tick, so there a worker that still answers its pings gets `cluster.first_call_stall_s`; one that stops
+answering (a frozen process or node) is still a stall after `stall_s`.
 
 Deadlines (`cluster.call_timeout_s`): `auto` allows `cluster.first_call_timeout_s` for the first call of each verb
 (model load, compile, CUDA-graph capture) and afterwards max(floor, 5 × the slowest of its last 10 durations);
@@ -58,15 +61,34 @@ class Deadlines:
             return self.cfg.first_call_timeout_s
         return max(AUTO_FLOOR_S, AUTO_FACTOR * max(seen))
 
+    def first(self, verb: str) -> bool:
+        """No call of this verb has finished yet (its first call loads, compiles and captures)."""
+        return not self.history[verb]
+
     def record(self, verb: str, seconds: float) -> None:
         self.history[verb].append(seconds)
 
 
+def stall_limit(stall_s: float, first_call_stall_s: float | None, answered_ago_s: float) -> float:
+    """Seconds without a progress tick that make a stall: `first_call_stall_s` (when given: the first call of a
+    verb) while the worker still answers pings (answered within the last stall_s), else stall_s."""
+    if first_call_stall_s is not None and answered_ago_s <= stall_s:
+        return max(stall_s, first_call_stall_s)
+    return stall_s
+
+
+def stall_reason(idle_s: float, limit_s: float, stall_s: float) -> str:
+    if limit_s == stall_s:
+        return f"made no progress for {idle_s:.0f}s (cluster.stall_s={limit_s:g})"
+    return f"made no progress for {idle_s:.0f}s (cluster.first_call_stall_s={limit_s:g}: the verb's first call)"
+
+
 def watch(calls: list[Call], *, verb: str, timeout_s: float, stall_s: float, stall_dir: Path | None,
-          step: int) -> list[Any]:
+          step: int, first_call_stall_s: float | None = None) -> list[Any]:
     """ray.get of every call, failing fast on the first error, and raising StallError on a stall or deadline."""
     start = time.monotonic()
     last_move = {i: start for i in range(len(calls))}
+    last_answer = dict(last_move)
     last_count: dict[int, int] = {}
     pings: dict[int, Any] = {}
     pending = {c.ref: i for i, c in enumerate(calls)}
@@ -79,10 +101,11 @@ def watch(calls: list[Call], *, verb: str, timeout_s: float, stall_s: float, sta
         if not pending:
             break
         now = time.monotonic()
-        _read_pings(calls, pending.values(), pings, last_count, last_move, now)
-        stuck = [i for i in pending.values() if now - last_move[i] > stall_s]
+        _read_pings(calls, pending.values(), pings, last_count, last_move, now, last_answer)
+        limits = {i: stall_limit(stall_s, first_call_stall_s, now - last_answer[i]) for i in pending.values()}
+        stuck = [i for i in pending.values() if now - last_move[i] > limits[i]]
         if stuck or now - start > timeout_s:
-            why = (f"made no progress for {now - last_move[stuck[0]]:.0f}s (cluster.stall_s={stall_s:g})" if stuck
+            why = (stall_reason(now - last_move[stuck[0]], limits[stuck[0]], stall_s) if stuck
                    else f"did not finish within the call deadline of {timeout_s:.0f}s (cluster.call_timeout_s)")
             culprits = [calls[i] for i in (stuck or sorted(pending.values()))]
             raise StallError(_diagnose(culprits, calls, verb, why, now - start, stall_dir, step))
@@ -90,8 +113,9 @@ def watch(calls: list[Call], *, verb: str, timeout_s: float, stall_s: float, sta
 
 
 def _read_pings(calls: list[Call], running, pings: dict[int, Any], last_count: dict[int, int],
-                last_move: dict[int, float], now: float) -> None:
-    """One outstanding progress ping per running worker; a count that moved resets its stall clock."""
+                last_move: dict[int, float], now: float, last_answer: dict[int, float] | None = None) -> None:
+    """One outstanding progress ping per running worker; a count that moved resets its stall clock, and an
+    answer (moved or not) is recorded in `last_answer`."""
     for i in running:
         if i not in pings:
             pings[i] = calls[i].handle.progress.remote()
@@ -105,6 +129,8 @@ def _read_pings(calls: list[Call], running, pings: dict[int, Any], last_count: d
             count = ray.get(ref)
         except ray.exceptions.RayError:
             continue
+        if last_answer is not None:
+            last_answer[i] = now
         if last_count.get(i) != count:
             last_count[i], last_move[i] = count, now
 

@@ -387,6 +387,10 @@ class ClusterConfig:
     stall_s: float = 120.0
     """A worker call whose progress (decode steps, micro-batches, weight buckets) has not moved, or whose worker
     does not answer at all, for this long is a stall: stacks are dumped and the run recovers (docs/hangs.md)."""
+    first_call_stall_s: float = 900.0
+    """The stall limit in the first call of each verb for a worker that still answers its progress pings: kernel
+    compilation (flex attention, torch.compile, Triton autotuning) runs there for minutes without a progress
+    tick. A worker that stops answering (frozen process or node) is still a stall after stall_s."""
 
 
 @dataclass(frozen=True, kw_only=True)
