@@ -1,0 +1,73 @@
+"""The fast engine's CUDA paths (CUDA graphs, Triton kernels, fused q/k/v and gate/up copies, per-sample limits)
+against the CPU-tested torch paths, and the native training forward against HF, on a GPU (skipped on CPU).
+
+fp32 with TF32 off, so greedy decoding of the tiny models is deterministic enough to compare token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleetrl.engines.fast import FastRolloutEngine
+from fleetrl.engines.protocol import SamplingParams
+from tests.engines.test_fast import CharTokenizer, hf_greedy, left_padded, tiny_model, training_logprobs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _cuda_engine(model: torch.nn.Module, eos: int | None = None, **kw) -> FastRolloutEngine:
+    return FastRolloutEngine(model.cuda(), CharTokenizer(eos), device="cuda", max_seq_len=64, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_graphs_and_kernels_decode_what_hf_decodes(arch: str, fuse: bool) -> None:
+    ids, mask = left_padded([3, 9, 6, 1])
+    model = tiny_model(arch)
+    ref = hf_greedy(model, ids, mask, 12, None)
+    eng = _cuda_engine(model, fuse_projections=fuse)
+    assert eng.use_cuda_graphs
+    out = eng.generate(ids.cuda(), mask.cuda(), SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert torch.equal(out.responses.cpu(), ref.cpu())
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_sampled_logprobs_match_the_training_forward_on_cuda(fuse: bool) -> None:
+    model = tiny_model("qwen2")
+    ids, mask = left_padded([4, 7, 2])
+    eng = _cuda_engine(model, fuse_projections=fuse)
+    out = eng.generate(ids.cuda(), mask.cuda(), SamplingParams(max_new_tokens=8, temperature=0.7, seed=3))
+    ref = training_logprobs(model, ids.cuda(), mask.cuda(), out, 0.7)
+    torch.testing.assert_close(out.logprobs, ref, atol=1e-4, rtol=0)
+
+
+def test_per_sample_limits_with_graphs_keep_the_unlimited_prefix() -> None:
+    ids, mask = left_padded([3, 9, 6, 1, 4, 5])
+    limits = [1, 3, 7, 2, 5, 7]
+    run = lambda lim: _cuda_engine(tiny_model("llama"), max_batch=4, sync_every=1).generate(  # noqa: E731
+        ids.cuda(), mask.cuda(), SamplingParams(max_new_tokens=7, temperature=1.0, seed=11,
+                                                max_new_tokens_per_sample=lim))
+    free, limited = run(None), run(torch.tensor(limits))
+    assert limited.response_mask.sum(1).tolist() == limits
+    for i, n in enumerate(limits):
+        assert torch.equal(limited.responses[i, :n], free.responses[i, :n]), f"sample {i}"
+
+
+def test_fused_copies_follow_new_weights_on_cuda() -> None:
+    ids, mask = left_padded([5, 8])
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    eng = _cuda_engine(tiny_model("qwen2"), fuse_projections=True)
+    eng.generate(ids.cuda(), mask.cuda(), params)  # graphs captured on the old weights
+    torch.manual_seed(5)
+    new = {k: torch.randn_like(v) * 0.05 for k, v in tiny_model("qwen2").cuda().state_dict().items()
+           if k.endswith("proj.weight")}
+    eng.load_weights(new, version=1)
+    fresh_model = tiny_model("qwen2").cuda()
+    fresh_model.load_state_dict(new, strict=False)
+    expected = _cuda_engine(fresh_model, fuse_projections=True).generate(ids.cuda(), mask.cuda(), params)
+    assert torch.equal(eng.generate(ids.cuda(), mask.cuda(), params).responses, expected.responses)
