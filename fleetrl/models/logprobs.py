@@ -7,6 +7,7 @@ token r sit at column P-1+r for every row: one slice, no per-row gather.
 from __future__ import annotations
 
 import inspect
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,10 @@ from fleetrl.algo.losses import entropy_from_logits
 # Config attributes that transform logits after the LM head; the chunked path applies the head itself and
 # would silently skip them.
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+EntropyMode = bool | Literal["metric"]
+"""False: no entropy; True: differentiable entropy (an entropy bonus in the loss); "metric": detached entropy,
+computed without an autograd graph (the entropy metric of an update whose loss has no entropy term)."""
 
 
 def build_inputs(
@@ -42,14 +47,14 @@ def sequence_logprobs(
     response_mask_BR: torch.Tensor,
     *,
     temperature: float = 1.0,
-    return_entropy: bool = False,
+    return_entropy: EntropyMode = False,
     chunk_size: int | None = None,
     share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature) at each response token, [B, R] float32; 0 where response_mask is 0.
 
     Also returns the entropy of that distribution per response token ([B, R], 0 where masked) when
-    `return_entropy`. With `chunk_size`, the LM head and log-softmax run over `chunk_size` response positions
+    `return_entropy` (True: differentiable, for an entropy bonus; "metric": detached and cheaper). With `chunk_size`, the LM head and log-softmax run over `chunk_size` response positions
     at a time (B x chunk x V fp32 at most); under autograd each chunk is checkpointed so its logits are
     recomputed in backward instead of kept. Without it, the model's own forward produces all logits at once.
     With `share_prompts` (chunked path only), rows with the same prompt run it once (`_shared_prompt_hidden`).
@@ -80,7 +85,7 @@ def sequence_logprobs(
 
 
 def head_stats(hidden_BRH: torch.Tensor, responses_BR: torch.Tensor, head: nn.Module, temperature: float,
-               return_entropy: bool, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+               return_entropy: EntropyMode, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logp, entropy [B, R] of `responses_BR` from the hidden states that predict them, through `head`.
 
     With `chunk_size`, `chunk_size` positions at a time, each chunk checkpointed under autograd so its logits are
@@ -99,7 +104,7 @@ def head_stats(hidden_BRH: torch.Tensor, responses_BR: torch.Tensor, head: nn.Mo
 
 
 def _chunk_stats(
-    x: torch.Tensor, targets: torch.Tensor, head: nn.Module | None, temperature: float, return_entropy: bool
+    x: torch.Tensor, targets: torch.Tensor, head: nn.Module | None, temperature: float, return_entropy: EntropyMode
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: hidden states [B, c, H] (head given) or logits [B, c, V] (head None). Returns logp, entropy [B, c]."""
     logits = (head(x) if head is not None else x).float() / temperature
@@ -107,6 +112,9 @@ def _chunk_stats(
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
         return logp, torch.zeros_like(logp)
+    if return_entropy == "metric":  # a metric only: no autograd graph (it would save B x c x V activations)
+        with torch.no_grad():
+            return logp, entropy_from_logits(logits.detach())
     return logp, entropy_from_logits(logits)  # the one (tested) entropy function, also used by the losses
 
 

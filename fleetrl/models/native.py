@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fleetrl.models.decoder import NativeDecoder, packed_mask
-from fleetrl.models.logprobs import _lm_head, check_head_only, head_stats
+from fleetrl.models.logprobs import EntropyMode, _lm_head, check_head_only, head_stats
 from fleetrl.models.packing import PACK_ALIGN, PackedForward, pack, packed_head_stats
 
 
@@ -49,7 +49,7 @@ def compact_rows(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, respons
 
 def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP: torch.Tensor,
                            prompt_mask_BP: torch.Tensor, responses_BR: torch.Tensor, response_mask_BR: torch.Tensor,
-                           *, temperature: float = 1.0, return_entropy: bool = False,
+                           *, temperature: float = 1.0, return_entropy: EntropyMode = False,
                            chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `sequence_logprobs` (chunk_size likewise bounds the head's logits), through `decoder`."""
     if temperature <= 0:
@@ -72,7 +72,7 @@ def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
 
 def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP: torch.Tensor,
                            prompt_mask_BP: torch.Tensor, responses_BR: torch.Tensor, response_mask_BR: torch.Tensor,
-                           *, temperature: float = 1.0, return_entropy: bool = False, fused_chunk: int | None = None,
+                           *, temperature: float = 1.0, return_entropy: EntropyMode = False, fused_chunk: int | None = None,
                            flex: bool = False, align: int = PACK_ALIGN) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `packed_logprobs`, through `decoder`; flex: a flex-attention BlockMask, else a dense N x N mask."""
     if temperature <= 0:
@@ -95,7 +95,7 @@ class NativeForward:
 
     def __call__(self, model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                  responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float,
-                 return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 return_entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
         args = (self.decoder, model, prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
         if self.packed is None:
             return padded_native_logprobs(*args, temperature=temperature, return_entropy=return_entropy,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fleetrl.algo.fused_logprobs import fused_logprobs_entropy
-from fleetrl.models.logprobs import _chunk_stats, _lm_head, check_head_only
+from fleetrl.models.logprobs import EntropyMode, _chunk_stats, _lm_head, check_head_only
 
 PACK_ALIGN = 128  # flex attention's default block size
 
@@ -64,7 +64,7 @@ def pack(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, responses_BR: t
 
 def packed_logprobs(model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                     responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float = 1.0,
-                    return_entropy: bool = False, fused_chunk: int | None = None,
+                    return_entropy: EntropyMode = False, fused_chunk: int | None = None,
                     attention: str | None = None, align: int = PACK_ALIGN) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `sequence_logprobs` ([B, R] fp32 log-probs and entropy, 0 where masked), from one packed forward.
 
@@ -88,13 +88,13 @@ def packed_logprobs(model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: 
 
 
 def packed_head_stats(model: nn.Module, hidden_ND: torch.Tensor, pk: Packed, *, temperature: float,
-                      return_entropy: bool, fused_chunk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      return_entropy: EntropyMode, fused_chunk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, R] log-probs (and entropy) from the packed row's hidden states [N, D] (any backbone's)."""
     hidden_MH = hidden_ND.index_select(0, pk.pred_index_M)
     head = _lm_head(model)
     if fused_chunk is not None and getattr(head, "bias", None) is None:
         logp_M, ent_M = fused_logprobs_entropy(hidden_MH, head.weight, pk.targets_M, temperature=temperature,
-                                               chunk=fused_chunk, return_entropy=return_entropy)
+                                               chunk=fused_chunk, return_entropy=bool(return_entropy))
     else:
         logp_M, ent_M = (t[0] for t in _chunk_stats(hidden_MH[None], pk.targets_M[None], head, temperature,
                                                     return_entropy))
@@ -146,7 +146,7 @@ class PackedForward:
 
     def __call__(self, model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                  responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float,
-                 return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 return_entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
         return packed_logprobs(model, prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR,
                                temperature=temperature, return_entropy=return_entropy, fused_chunk=self.fused_chunk,
                                attention=self.attention, align=self.row_align)

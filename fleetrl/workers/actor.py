@@ -133,7 +133,9 @@ class ActorComponent:
         on_policy = spec.old_logprobs == "current"
         need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here
         args = (self.model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
-        kw = dict(temperature=gen_temperature(self.ctx), return_entropy=need_entropy)
+        # Without an entropy bonus the entropy is a metric only: computed detached, which saves its autograd graph.
+        entropy = (True if algo.entropy_coef > 0 else "metric") if need_entropy else False
+        kw = dict(temperature=gen_temperature(self.ctx), return_entropy=entropy)
         forward = self.native or self.packed
         logp, ent = forward(*args, **kw) if forward else sequence_logprobs(
             *args, **kw, chunk_size=self.chunk, share_prompts=self.ctx.cfg.actor.share_prompts and self.chunk is not None)

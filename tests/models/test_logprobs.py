@@ -115,3 +115,14 @@ def test_share_prompts_needs_the_chunked_padded_forward():
                                           r"actor.logprob_chunk=None"):
         derive_plan(load_config(None, ["actor.share_prompts=true"]))
     assert derive_plan(load_config(None, ["actor.share_prompts=true", "actor.logprob_chunk=16"])).config.actor.share_prompts
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_metric_entropy_equals_the_differentiable_one_without_a_graph(model, chunk):
+    batch = _batch()
+    logp, ent = sequence_logprobs(model, *batch, temperature=0.9, return_entropy=True, chunk_size=chunk)
+    logp_m, ent_m = sequence_logprobs(model, *batch, temperature=0.9, return_entropy="metric", chunk_size=chunk)
+    assert ent.requires_grad and not ent_m.requires_grad  # the metric entropy keeps no autograd graph
+    assert logp_m.requires_grad  # log-probs still carry the policy gradient
+    torch.testing.assert_close(ent_m, ent.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(logp_m, logp, rtol=0, atol=0)
