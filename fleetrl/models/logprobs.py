@@ -107,7 +107,9 @@ def _chunk_stats(
     x: torch.Tensor, targets: torch.Tensor, head: nn.Module | None, temperature: float, return_entropy: EntropyMode
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: hidden states [B, c, H] (head given) or logits [B, c, V] (head None). Returns logp, entropy [B, c]."""
-    logits = (head(x) if head is not None else x).float() / temperature
+    # A column slice of [B, R, H] is not contiguous, and a linear layer then runs as a batched matmul over B
+    # copies of the head weight (measured 3x slower on CPU with bf16 weights); one small copy avoids that.
+    logits = (head(x.contiguous()) if head is not None else x).float() / temperature
     logp_all = F.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
