@@ -12,18 +12,15 @@ Prints a `RESULT {json}` line; exits 1 when a correctness figure is out of toler
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.check_packed import PROMPT, loss_grads, make_batch, timed  # noqa: E402
+from bench.check_packed import PROMPT, loss_grads, make_batch, start, timed  # noqa: E402
 from fleetrl.models.decoder import NativeDecoder  # noqa: E402
 from fleetrl.models.logprobs import sequence_logprobs  # noqa: E402
 from fleetrl.models.native import packed_native_logprobs, padded_native_logprobs  # noqa: E402
@@ -57,17 +54,7 @@ def correctness(shape: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen2.5-0.5b")
-    ap.add_argument("--samples", type=int, default=32)
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    args = ap.parse_args()
-    result = {"bench": "check_native", "device": torch.cuda.get_device_name(0), "shape": args.shape,
-              "date": time.strftime("%Y-%m-%d"), "correctness": correctness(args.shape)}
-    print("correctness " + json.dumps(result), flush=True)  # printed before the timing, which may run out of memory
-    torch.backends.cuda.matmul.allow_tf32 = True
-    model = random_model(f"random:{args.shape}", torch.float32).cuda().train()
-    batch = make_batch(args.samples, model.config.vocab_size, seed=2)
+    args, result, model, batch = start("check_native", lambda shape: {"correctness": correctness(shape)})
     result["real_tokens"] = int(batch[3].sum()) + PROMPT * args.samples
     timings = {"hf_padded": partial(sequence_logprobs, chunk_size=512),
                "hf_packed_flex": partial(packed_logprobs, attention="flex_attention", fused_chunk=4096, align=BUDGET)}

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,18 +73,24 @@ def timed(model, fn, batch, reps: int = 3, **kw) -> tuple[float, float]:  # noqa
     return (time.perf_counter() - t0) / reps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def main() -> None:
+def start(bench: str, checks: Callable[[str], dict]) -> tuple[argparse.Namespace, dict, torch.nn.Module, tuple]:
+    """The common head of the GPU checks: arguments, the correctness fields `checks(shape)` returns (printed at
+    once), then TF32 on and the model and long-tailed batch the timings use."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-0.5b")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
-    result = {"bench": "check_packed", "device": torch.cuda.get_device_name(0), "shape": args.shape,
-              "date": time.strftime("%Y-%m-%d"), **correctness(args.shape)}
+    result = {"bench": bench, "device": torch.cuda.get_device_name(0), "shape": args.shape,
+              "date": time.strftime("%Y-%m-%d"), **checks(args.shape)}
     print("correctness " + json.dumps(result), flush=True)  # printed before the timing, which may run out of memory
     torch.backends.cuda.matmul.allow_tf32 = True
     model = random_model(f"random:{args.shape}", torch.float32).cuda().train()
-    batch = make_batch(args.samples, model.config.vocab_size, seed=2)
+    return args, result, model, make_batch(args.samples, model.config.vocab_size, seed=2)
+
+
+def main() -> None:
+    args, result, model, batch = start("check_packed", correctness)
     rm = batch[3]
     result["real_tokens"] = int(rm.sum()) + PROMPT * args.samples
     result["padded_slots"] = rm.numel() + PROMPT * args.samples

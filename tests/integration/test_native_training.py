@@ -6,19 +6,11 @@ import pytest
 
 from fleetrl.models.native import NativeForward
 from tests.integration.helpers import train_run
+from tests.integration.test_packed_training import ARGS, PACKED, _train_metrics
 
 pytestmark = pytest.mark.slow
-# Two mini-batches: the old-logprob pass (batched_logprobs) runs through the chosen forward too, not just the
-# update; the second step trains on weights the first step changed.
-ARGS = ("trainer.total_steps=2", "trainer.val_every=0", "trainer.val_before_train=false", "cluster.backend=local",
-        "algorithm.mini_batch_prompts=16", "algorithm.micro_batch_size=8")
-PACKED = ("algorithm.micro_batch_tokens=96", "actor.fused_logprob_chunk=64")
-
-
-def _train_metrics(records):
-    skip = ("/time/", "tokens_per_s", "tokens_slots", "mem", "rss")
-    return [{k: v for k, v in r.items() if k.startswith("train/") and not any(s in k for s in skip)
-             and isinstance(v, float)} for r in records if "train/time/step" in r]
+# The run arguments (two mini-batches: the old-logprob pass runs through the chosen forward too; the second step
+# trains on weights the first changed) and the per-step metrics are test_packed_training.py's.
 
 
 @pytest.mark.parametrize("layout", [(), PACKED], ids=["padded", "packed"])
