@@ -108,6 +108,11 @@ class Plan:
     def pool_of(self, role: str) -> PoolPlan:
         return self.pools[self.roles[role]]
 
+    @property
+    def correction_on_controller(self) -> bool:
+        """The controller weighs the recomputed log-probs against the rollout's and sends `is_weights`."""
+        return self.rollout_correction and not self.correction_in_loss
+
     def actor_updates_at(self, step: int) -> bool:
         """The actor stays frozen for the first critic.warmup_steps steps of a run with a critic."""
         return not self.use_critic or step >= self.config.critic.warmup_steps

@@ -160,7 +160,7 @@ class Trainer:
                 batch = batch.update(self.group("actor").call_split(Worker.compute_logprobs, seq))
             if self.plan.use_ref:
                 batch = batch.update(self.group("ref").call_split(Worker.compute_ref_logprobs, seq))
-            if self.plan.rollout_correction and not self.plan.correction_in_loss:  # else the actor loss does it
+            if self.plan.correction_on_controller:  # else (correction_in_loss) the actor loss does it
                 c = self.cfg.algorithm.rollout_correction
                 w, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], batch[self.plan.action_mask],
                                               mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
@@ -211,7 +211,7 @@ class Trainer:
             keys = [*SEQ_KEYS, "advantages", "rollout_logprobs"]
             keys += ["old_logprobs"] if self.plan.recompute_logprobs else []
             keys += ["ref_logprobs"] if self.cfg.algorithm.kl.placement == "loss" else []
-            keys += ["is_weights"] if self.plan.rollout_correction and not self.plan.correction_in_loss else []
+            keys += ["is_weights"] if self.plan.correction_on_controller else []
             keys += ["loss_mask"] if self.cfg.algorithm.overlong.mask_truncated or self.cfg.rollout.env else []
             with self._timed("update_actor"):
                 metrics.update(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
@@ -222,13 +222,12 @@ class Trainer:
         loss_mask = "loss_mask" if truncated else self.plan.action_mask
         parts, minis = arrange_update(batch, self.plan.num_mini_batches, self.plan.world[role],
                                       norm_len=float(self.cfg.rollout.max_response_tokens), mask_key=loss_mask)
-        actor, in_loss = role == "actor", self.plan.correction_in_loss
-        c = self.cfg.algorithm.rollout_correction
+        actor, c = role == "actor", self.cfg.algorithm.rollout_correction
         spec = UpdateSpec(minis=minis, kl_coef=self.kl_ctl.coef,
                           old_logprobs="recomputed" if self.plan.recompute_logprobs else "current",
-                          is_weights=actor and self.plan.rollout_correction and not in_loss, loss_mask=loss_mask,
+                          is_weights=actor and self.plan.correction_on_controller, loss_mask=loss_mask,
                           correction=CorrectionSpec(mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
-                          if actor and in_loss else None)
+                          if actor and self.plan.correction_in_loss else None)
         return UpdateMetrics.reduce(self.group(role).call_parts(method, parts, spec))
 
     def sync(self) -> None:
