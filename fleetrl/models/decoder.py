@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fleetrl.engines.fast.arch import SUPPORTED_MODEL_TYPES, DecoderSpec, read_spec
+from fleetrl.engines.fast.forward import apply_rope, rms_norm  # HF's ops, shared with decode
 from fleetrl.errors import UserError
 
 try:  # torch >= 2.5; absent builds fall back to the dense mask
@@ -62,13 +63,6 @@ def check_supported(model: nn.Module) -> DecoderSpec:
     return spec
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As HF's Llama/Qwen2 RMSNorm: normalise in fp32, cast back to x's dtype, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def rope_cos_sin(model: nn.Module, position_ids_BL: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, L, Q] as HF's rotary module computes them (fp32 position * inv_freq, halves duplicated, times
     attention_scaling, cast to the activations' dtype); inv_freq carries rope_theta and any static rope scaling."""
@@ -79,12 +73,6 @@ def rope_cos_sin(model: nn.Module, position_ids_BL: torch.Tensor, dtype: torch.d
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = float(getattr(rotary, "attention_scaling", 1.0))
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-
-def _rotate(x_BHLQ: torch.Tensor, cos_B1LQ: torch.Tensor, sin_B1LQ: torch.Tensor) -> torch.Tensor:
-    half = x_BHLQ.shape[-1] // 2
-    rotated = torch.cat((-x_BHLQ[..., half:], x_BHLQ[..., :half]), dim=-1)
-    return x_BHLQ * cos_B1LQ + rotated * sin_B1LQ
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
@@ -117,7 +105,7 @@ def decoder_layer(layer: nn.Module, x_BLD: torch.Tensor, cos_BLQ: torch.Tensor, 
     k = att.k_proj(h).view(B, L, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     v = att.v_proj(h).view(B, L, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     cos, sin = cos_BLQ[:, None], sin_BLQ[:, None]
-    o = _attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask)
+    o = _attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask)
     x_BLD = x_BLD + att.o_proj(o.transpose(1, 2).reshape(B, L, spec.num_heads * spec.head_dim))
     h = rms_norm(x_BLD, layer.post_attention_layernorm.weight, spec.rms_eps)
     return x_BLD + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
