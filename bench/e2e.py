@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench"))
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (for variants)")
+    ap.add_argument("--profile-step", type=int, default=0, help="profile the actor update of this step (1-based; "
+                    "local backend): top CUDA kernels by time, grouped, to OUT/e2e_update_profile<tag>.txt")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     g = args.gpus
@@ -66,6 +68,8 @@ def main() -> None:
                          seed=plan.config.trainer.seed, stats=stats)
     elif args.lengths == "longtail":
         raise SystemExit("--lengths longtail needs --gpus 1 (the stop rule patches the in-process rollout worker)")
+    if args.profile_step:
+        profile_update(args.profile_step, Path(args.out) / f"e2e_update_profile{args.tag}.txt")
     t0 = time.time()
     run_plan(plan, run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -77,6 +81,50 @@ def main() -> None:
           f"{result['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, update MFU {result['update_mfu']}, padding waste "
           f"{result['padding_waste']}; phases " + ", ".join(f"{p}={v:.2f}s" for p, v in result["phases_s"].items()))
     print("RESULT " + json.dumps(result))
+
+
+def profile_update(step: int, out: Path) -> None:
+    """Wraps the in-process actor's update: its `step`-th call runs under the torch profiler, and the CUDA kernel
+    time is written to `out`, grouped by kind (GEMM, attention, fused/elementwise, optimiser, copies) and by name."""
+    import fleetrl.workers.actor as actor_mod
+    from torch.profiler import ProfilerActivity, profile
+
+    inner, calls = actor_mod.run_update, [0]
+
+    def wrapped(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        if calls[0] != step:
+            return inner(*a, **k)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            result = inner(*a, **k)
+            torch.cuda.synchronize()
+        out.write_text(kernel_report(prof))
+        print(out.read_text()[:3000])
+        return result
+
+    actor_mod.run_update = wrapped
+
+
+KERNEL_KINDS = (("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "matmul")),
+                ("attention", ("flash", "fmha", "attention", "flex")), ("optimizer", ("adam", "multi_tensor")),
+                ("copy/cast", ("copy", "cast", "convert", "to_copy")), ("triton/fused", ("triton",)))
+
+
+def kernel_report(prof) -> str:  # noqa: ANN001
+    """Device time by kernel kind and the 30 most expensive kernels (one profiled update)."""
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in kernels)
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        name = e.key.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(w in name for w in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total
+    lines = [f"device time of one update: {total / 1e3:.1f} ms over {sum(e.count for e in kernels)} launches"]
+    lines += [f"  {k:14s} {v / 1e3:9.1f} ms  {100 * v / total:5.1f}%" for k, v in sorted(kinds.items(), key=lambda x: -x[1])]
+    lines.append("top kernels (ms, launches, name):")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]:
+        lines.append(f"  {e.self_device_time_total / 1e3:9.2f} {e.count:6d}  {e.key[:140]}")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(rows: list[dict], stats: list[dict], plan, args, overrides: list[str], t0: float) -> dict:  # noqa: ANN001
