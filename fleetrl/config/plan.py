@@ -102,6 +102,11 @@ class Plan:
     ref_from_actor: bool = False
     """actor.lora is set and the ref shares the actor's pool: the reference log-probs come from the actor's own
     model with its adapters switched off (peft's disable_adapter), which IS the base model: no second copy."""
+    lora_base_dtype: str | None = None
+    """The dtype the LoRA actor keeps its frozen adapted weights in: actor.autocast's when it is on and no colocated
+    HF `generate` reads them. Under autocast every matmul rounds those weights to that dtype anyway, so the update
+    is the same bit for bit and the weights take half the memory (SmolLM2 LoRA: 2.9 -> 2.2 GiB peak RSS, bench/
+    RESULTS.md); the HF engine's `generate` runs outside autocast and would meet mixed dtypes. None = model.dtype."""
     pipeline: AsyncPlan | None = None
     """trainer.mode=async: the overlap window (config/async_plan.py); None = synchronous steps."""
 
@@ -151,6 +156,7 @@ class Plan:
             "rollout_correction": self.rollout_correction,
             "correction_in_loss": self.correction_in_loss,
             "ref_from_actor": self.ref_from_actor,
+            "lora_base_dtype": self.lora_base_dtype,
             "total_steps": self.total_steps,
             "actor_optimizer_steps": self.actor_optimizer_steps,
             "critic_optimizer_steps": self.critic_optimizer_steps,
@@ -216,7 +222,19 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts, pipeline),
                 val_batch_prompts=val_prompts, pipeline=pipeline,
                 action_mask="loss_mask" if cfg.rollout.env else "response_mask",
-                ref_from_actor=use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"])
+                ref_from_actor=use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"],
+                lora_base_dtype=_lora_base_dtype(cfg, colocated=roles["rollout"] == roles["actor"]))
+
+
+def _lora_base_dtype(cfg: RunConfig, colocated: bool) -> str | None:
+    """Plan.lora_base_dtype: the autocast dtype for a LoRA actor trained under autocast, unless the HF engine
+    generates with the actor's own modules (colocated) or the model is already in a narrower dtype."""
+    a = cfg.actor
+    if a.lora is None or a.autocast == "off" or cfg.model.dtype != "float32":
+        return None
+    if colocated and cfg.rollout.engine == "hf":
+        return None
+    return a.autocast
 
 
 def _total_steps(cfg: RunConfig, train_prompts: int | None) -> int:

@@ -88,6 +88,21 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, gradient_checkpointing: boo
     return wrapped
 
 
+def store_frozen_base(model: nn.Module, dtype: torch.dtype) -> int:
+    """Keeps the frozen weight of every adapted layer in `dtype` (the autocast dtype of the update): autocast
+    rounds it to that dtype at each matmul anyway, so the function trained is unchanged while the weights take
+    half the memory and no per-matmul cast is made. Biases, norms, embeddings and adapters keep their dtype.
+    Returns the bytes saved. Every forward of the model must then run under autocast (or through a merge:
+    `merged_weight` returns the adapters' dtype)."""
+    saved = 0
+    for layer in lora_layers(model).values():
+        base = layer.get_base_layer()
+        if base.weight.dtype != dtype:
+            saved += base.weight.numel() * (base.weight.element_size() - torch.finfo(dtype).bits // 8)
+            base.weight = nn.Parameter(base.weight.detach().to(dtype), requires_grad=False)
+    return saved
+
+
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """Adapted layers of `model` by full module name (empty when peft was never imported: nothing is adapted)."""
     if "peft" not in sys.modules:
@@ -99,10 +114,11 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 @torch.no_grad()
 def merged_weight(layer: nn.Module) -> torch.Tensor:
-    """W + (alpha/rank)·B·A of one adapted linear layer, a new tensor in W's dtype ([out, in])."""
+    """W + (alpha/rank)·B·A of one adapted linear layer, a new tensor ([out, in]) in the adapters' dtype (the
+    model's; W itself may be kept narrower, `store_frozen_base`)."""
     weight = layer.get_base_layer().weight
     # Added in the promoted dtype and rounded once, as peft's own merge does.
-    return (weight + layer.get_delta_weight(ADAPTER)).to(weight.dtype)
+    return (weight + layer.get_delta_weight(ADAPTER)).to(layer.lora_A[ADAPTER].weight.dtype)
 
 
 def merged_targets(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

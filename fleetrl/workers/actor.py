@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -13,7 +13,7 @@ from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models.decoder import NativeDecoder
 from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
-from fleetrl.models.lora import apply_lora
+from fleetrl.models.lora import apply_lora, store_frozen_base
 from fleetrl.models.native import NativeForward
 from fleetrl.models.packing import PackedForward, padded_token_slots
 from fleetrl.workers.context import WorkerContext, dtype_of
@@ -100,6 +100,8 @@ class ActorComponent:
         lora = ctx.cfg.actor.lora
         self.adapters = None if lora is None else apply_lora(
             model, lora, gradient_checkpointing=ctx.cfg.model.gradient_checkpointing)
+        if ctx.plan.lora_base_dtype is not None:
+            store_frozen_base(model, dtype_of(ctx.plan.lora_base_dtype))
         self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info,
                                      total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),
                                      sharded=ctx.cfg.actor.sharding == "fsdp2",
@@ -113,11 +115,17 @@ class ActorComponent:
         # that gather the embedding and head; sharded models go through model(...) unchunked.
         return None if self.engine.sharded else self.ctx.cfg.actor.logprob_chunk
 
+    def precision(self) -> AbstractContextManager:
+        """The context of a log-prob pass outside the update: the update's autocast where the frozen base is
+        kept in its dtype (Plan.lora_base_dtype: the weights need it), else the model's own precision."""
+        return self.engine.autocast() if self.ctx.plan.lora_base_dtype is not None else nullcontext()
+
     def compute_logprobs(self, batch: Batch) -> Batch:
-        logp, ent = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
-                                     temperature=gen_temperature(self.ctx), chunk=self.chunk, entropy=True,
-                                     packed=self.packed, share_prompts=self.ctx.cfg.actor.share_prompts,
-                                     native=self.native)
+        with self.precision():
+            logp, ent = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
+                                         temperature=gen_temperature(self.ctx), chunk=self.chunk, entropy=True,
+                                         packed=self.packed, share_prompts=self.ctx.cfg.actor.share_prompts,
+                                         native=self.native)
         return Batch({"old_logprobs": logp, "entropy": ent})
 
     def update(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
@@ -210,6 +218,7 @@ class RefComponent:
     def __init__(self, ctx: WorkerContext, actor: ActorComponent | None = None) -> None:
         self.ctx = ctx
         self.adapters = actor.adapters if actor is not None else None
+        self.precision = actor.precision if actor is not None else nullcontext
         if actor is not None:
             assert actor.adapters is not None, "ref_from_actor needs a LoRA actor"
             self.model = actor.model
@@ -219,7 +228,7 @@ class RefComponent:
             p.requires_grad_(False)
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
-        with self.adapters.disable_adapter() if self.adapters is not None else nullcontext():
+        with self.adapters.disable_adapter() if self.adapters is not None else nullcontext(), self.precision():
             logp, _ = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
                                        temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
                                        entropy=False, packed=packed_forward(self.ctx))

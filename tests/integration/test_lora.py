@@ -123,3 +123,18 @@ def _rollout_vs_actor(t: Trainer) -> float:
                                                                            "response_mask"))
     mask = batch["response_mask"].float()
     return float(((batch["rollout_logprobs"] - actor["old_logprobs"]).abs() * mask).max())
+
+
+def test_lora_under_autocast_keeps_a_narrow_base_and_every_pass_reads_it(tmp_path):
+    # Plan.lora_base_dtype: the frozen projections are kept in bf16, so the recomputed old log-probs (2 mini-
+    # batches) and the KL reference (the actor with adapters off) must run under the update's autocast too; with
+    # B = 0 at step 1 both compute the base model's function in the same precision: the KL is exactly 0.
+    run = ("model.path=tiny:", "cluster.backend=local", "data.prompts_per_step=4", "rollout.n=4",
+           "algorithm.mini_batch_prompts=2", "algorithm.micro_batch_size=4", "algorithm.kl.placement=loss",
+           "trainer.total_steps=2", "trainer.val_every=0", "actor.lora={rank: 4, alpha: 8}",
+           "actor.autocast=bfloat16", "rollout.engine=fast")
+    assert derive_plan(load_config(None, list(run))).lora_base_dtype == "bfloat16"
+    steps = [r for r in train_run(None, tmp_path / "narrow", *run) if "train/kl" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert steps[0]["train/kl"] == 0.0
+    assert all(abs(r["train/actor/ratio_mean"] - 1) < 1e-3 and r["train/actor/clip_frac"] == 0.0 for r in steps)

@@ -175,3 +175,51 @@ def test_plan_checks_the_numbers_and_decides_where_the_reference_comes_from():
     separate_ref = ["cluster.pools={main: {}, ref: {}}", "cluster.roles.ref=ref"]
     assert not derive_plan(load_config(None, [*kl, *separate_ref])).ref_from_actor
     assert not derive_plan(load_config(None, ["algorithm.kl.placement=loss"])).ref_from_actor  # no LoRA
+
+
+def test_frozen_base_in_the_autocast_dtype_trains_the_same_function_bit_for_bit():
+    # Under bf16 autocast every matmul rounds the frozen weight to bf16; keeping it in bf16 makes that rounding
+    # once, so the loss and the adapters' gradients are identical, and the weights take half the bytes.
+    from fleetrl.models.lora import store_frozen_base
+
+    def loss_and_grads(narrow: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = load_causal_lm(TINY)
+        apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+        for name, p in model.named_parameters():  # B starts at zero; give it values so every path is exercised
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1)
+        if narrow:
+            # 2 layers x 7 projections; hidden 64, intermediate 128: 4 x 64^2 + 3 x 64 x 128 per layer, 2 bytes each
+            assert store_frozen_base(model, torch.bfloat16) == 2 * (4 * 64 * 64 + 3 * 64 * 128) * 2
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = -_logp(model).sum()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]
+
+    (wide_loss, wide_grads), (narrow_loss, narrow_grads) = loss_and_grads(False), loss_and_grads(True)
+    assert torch.equal(wide_loss, narrow_loss)
+    assert all(torch.equal(a, b) for a, b in zip(wide_grads, narrow_grads))
+
+
+def test_merge_of_a_narrow_base_comes_back_in_the_adapters_dtype():
+    from fleetrl.models.lora import lora_layers, merged_weight, store_frozen_base
+
+    model, _, _ = _trained()
+    store_frozen_base(model, torch.bfloat16)
+    layer = next(iter(lora_layers(model).values()))
+    merged = merged_weight(layer)
+    assert merged.dtype == torch.float32
+    expected = layer.get_base_layer().weight.float() + layer.get_delta_weight("default")
+    assert torch.equal(merged, expected)
+
+
+def test_plan_keeps_the_lora_base_in_the_autocast_dtype_unless_hf_generates_with_it():
+    from fleetrl.config import derive_plan, load_config
+
+    lora = ["actor.lora.rank=4", "actor.autocast=bfloat16", "rollout.engine=fast"]
+    assert derive_plan(load_config(None, lora)).lora_base_dtype == "bfloat16"
+    assert derive_plan(load_config(None, [*lora[:2], "rollout.engine=hf"])).lora_base_dtype is None  # colocated
+    assert derive_plan(load_config(None, lora[:1])).lora_base_dtype is None  # no autocast
+    assert derive_plan(load_config(None, [*lora, "model.dtype=bfloat16"])).lora_base_dtype is None
+    assert derive_plan(load_config(None, lora[1:])).lora_base_dtype is None  # no LoRA

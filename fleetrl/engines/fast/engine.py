@@ -165,9 +165,14 @@ class FastRolloutEngine:
 
     # ------------------------------------------------------------------------------------------ setup
     def _check_weights(self) -> torch.dtype:
+        from fleetrl.models.lora import lora_layers
+
         tensors = model_weights(self.model).tensors()
         devices = {_resolve(t.device) for t in tensors}
-        dtypes = {t.dtype for t in tensors}
+        # A LoRA actor's adapted weights are never read as they are (each call merges them, arch.merged_weights),
+        # and may be kept narrower than the rest (models/lora.py store_frozen_base).
+        merged = {layer.get_base_layer().weight.data_ptr() for layer in lora_layers(self.model).values()}
+        dtypes = {t.dtype for t in tensors if t.data_ptr() not in merged}
         if devices != {self.device}:
             raise ValueError(f"model parameters are on {sorted(map(str, devices))} but the engine device is "
                              f"{self.device}; move the model there first (the engine decodes with the model's own "
