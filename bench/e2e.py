@@ -86,8 +86,9 @@ def main() -> None:
 def profile_update(step: int, out: Path) -> None:
     """Wraps the in-process actor's update: its `step`-th call runs under the torch profiler, and the CUDA kernel
     time is written to `out`, grouped by kind (GEMM, attention, fused/elementwise, optimiser, copies) and by name."""
-    import fleetrl.workers.actor as actor_mod
     from torch.profiler import ProfilerActivity, profile
+
+    import fleetrl.workers.actor as actor_mod
 
     inner, calls = actor_mod.run_update, [0]
 
