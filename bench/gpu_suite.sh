@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativepk trainnative checknative decodecheck decode decodeunfused decodeprof
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativefused nativepk trainnative checknative decodecheck decode decodeunfused decodeprof
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -42,6 +42,11 @@ for p in $PARTS; do case $p in
   nativeprof)  # the native e2e again, its third step's update under the torch profiler (kernel time by kind)
     run e2e1_native_prof 220 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 --warmup 3 \
       --profile-step 3 --tag _native_prof --out "$OUT" actor.forward=native actor.compile=true algorithm.micro_batch_size=64 ;;
+  nativefused)  # the native e2e with the fused head pass (actor.fused_logprob_chunk) on its padded micro-batches,
+    # the third step's update profiled
+    run e2e1_native_fused 220 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 --warmup 3 \
+      --profile-step 3 --tag _native_fused --out "$OUT" actor.forward=native actor.compile=true \
+      algorithm.micro_batch_size=64 actor.fused_logprob_chunk=${FUSED_CHUNK:-8192} ;;
   nativepk)  # the same on long-tailed lengths, packed token-budget micro-batches + fused log-probs (flex attention)
     run e2e1_longtail_nativepk 220 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
       --lengths longtail --tag _longtail_nativepk --out "$OUT" actor.forward=native actor.compile=true \

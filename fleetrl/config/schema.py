@@ -214,9 +214,9 @@ class ActorConfig:
     logprob_chunk: int | None = None
     """Tokens per chunk when computing log-softmax over the vocabulary (None = whole sequence at once)."""
     fused_logprob_chunk: int | None = None
-    """Tokens per chunk of the fused LM-head + log-softmax + entropy pass of packed forwards
-    (algo/fused_logprobs.py: no [tokens, vocab] tensor is kept for backward); None = plain LM head.
-    `logprob_chunk` applies to padded forwards only."""
+    """Tokens per chunk of the fused LM-head + log-softmax + entropy pass of packed forwards and of the padded
+    `forward: native` (algo/fused_logprobs.py: no [tokens, vocab] tensor is kept for backward); None = plain LM
+    head. `logprob_chunk` applies to the other padded forwards."""
     packed_attention: str = "auto"
     """transformers attention implementation of packed forwards: auto (flex_attention on GPU, the model's own
     on CPU) | flex_attention | flash_attention_2 | sdpa | eager (sdpa/eager build a dense tokens² mask)."""

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fleetrl.algo.fused_logprobs import fused_logprobs_entropy
 from fleetrl.models.decoder import NativeDecoder, packed_mask
 from fleetrl.models.logprobs import EntropyMode, _lm_head, check_head_only, head_stats
-from fleetrl.models.packing import PACK_ALIGN, PackedForward, pack, packed_head_stats
+from fleetrl.models.packing import PACK_ALIGN, PackedForward, pack, packed_head_stats, unpack_tokens
 
 
 def bucket_length(n: int, floor: int = 64) -> int:
@@ -50,8 +51,11 @@ def compact_rows(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, respons
 def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP: torch.Tensor,
                            prompt_mask_BP: torch.Tensor, responses_BR: torch.Tensor, response_mask_BR: torch.Tensor,
                            *, temperature: float = 1.0, return_entropy: EntropyMode = False,
-                           chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """As `sequence_logprobs` (chunk_size likewise bounds the head's logits), through `decoder`."""
+                           chunk_size: int | None = None,
+                           fused_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `sequence_logprobs` (chunk_size likewise bounds the head's logits), through `decoder`. With
+    `fused_chunk`, the head, log-softmax and entropy of the real response tokens run in the fused pass of
+    algo/fused_logprobs.py instead (no [tokens, vocab] tensor kept; chunk_size is then unused)."""
     if temperature <= 0:
         raise ValueError(f"padded_native_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "actor.forward=native")
@@ -65,8 +69,17 @@ def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
     ids_BW, pred_BR = compact_rows(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, bucket_length(real))
     positions_BW = torch.arange(ids_BW.shape[1], device=ids_BW.device).expand_as(ids_BW)
     hidden_BWD = decoder.hidden(model, ids_BW, positions_BW)
+    head = _lm_head(model)
+    if fused_chunk is not None and getattr(head, "bias", None) is None:
+        # Only the real response tokens' hidden states, as in the packed path: [M, D] rows of the flattened batch.
+        keep_BR = response_mask_BR.bool()
+        rows_BR = torch.arange(ids_BW.shape[0], device=ids_BW.device)[:, None] * ids_BW.shape[1] + pred_BR
+        hidden_MD = hidden_BWD.flatten(0, 1).index_select(0, rows_BR[keep_BR])
+        logp_M, ent_M = fused_logprobs_entropy(hidden_MD, head.weight, responses_BR[keep_BR], temperature=temperature,
+                                               chunk=fused_chunk, return_entropy=bool(return_entropy))
+        return unpack_tokens(logp_M, keep_BR), (unpack_tokens(ent_M, keep_BR) if return_entropy else None)
     hidden_BRD = hidden_BWD.gather(1, pred_BR[..., None].expand(-1, -1, hidden_BWD.shape[-1]))
-    logp_BR, ent_BR = head_stats(hidden_BRD, responses_BR, _lm_head(model), temperature, return_entropy, chunk_size)
+    logp_BR, ent_BR = head_stats(hidden_BRD, responses_BR, head, temperature, return_entropy, chunk_size)
     return logp_BR * mask_BR, (ent_BR * mask_BR if return_entropy else None)
 
 
@@ -87,11 +100,13 @@ def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
 @dataclass(frozen=True)
 class NativeForward:
     """The log-prob function of a role with `actor.forward: native`: packed when `packed` is set (its token
-    budget, fused chunk and attention), else padded with `chunk` positions of logits at a time."""
+    budget, fused chunk and attention), else padded, with `fused_chunk` tokens of the fused head pass at a time
+    when it is set, else `chunk` positions of logits at a time."""
 
     decoder: NativeDecoder
     packed: PackedForward | None = None
     chunk: int | None = None
+    fused_chunk: int | None = None
 
     def __call__(self, model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                  responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float,
@@ -99,7 +114,7 @@ class NativeForward:
         args = (self.decoder, model, prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
         if self.packed is None:
             return padded_native_logprobs(*args, temperature=temperature, return_entropy=return_entropy,
-                                          chunk_size=self.chunk)
+                                          chunk_size=self.chunk, fused_chunk=self.fused_chunk)
         return packed_native_logprobs(*args, temperature=temperature, return_entropy=return_entropy,
                                       fused_chunk=self.packed.fused_chunk,
                                       flex=self.packed.attention == "flex_attention", align=self.packed.row_align)

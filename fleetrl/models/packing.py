@@ -98,11 +98,11 @@ def packed_head_stats(model: nn.Module, hidden_ND: torch.Tensor, pk: Packed, *, 
     else:
         logp_M, ent_M = (t[0] for t in _chunk_stats(hidden_MH[None], pk.targets_M[None], head, temperature,
                                                     return_entropy))
-    logp_BR = _unpack(logp_M, pk.response_keep_BR)
-    return logp_BR, (_unpack(ent_M, pk.response_keep_BR) if return_entropy else None)
+    logp_BR = unpack_tokens(logp_M, pk.response_keep_BR)
+    return logp_BR, (unpack_tokens(ent_M, pk.response_keep_BR) if return_entropy else None)
 
 
-def _unpack(x_M: torch.Tensor, keep_BR: torch.Tensor) -> torch.Tensor:
+def unpack_tokens(x_M: torch.Tensor, keep_BR: torch.Tensor) -> torch.Tensor:
     """[M] values at the True cells of keep_BR (row-major) -> [B, R] fp32 with 0 elsewhere; differentiable."""
     out = torch.zeros(keep_BR.shape, dtype=torch.float32, device=x_M.device)
     return out.masked_scatter(keep_BR, x_M.float())

@@ -88,7 +88,8 @@ def native_forward(ctx: WorkerContext, model: torch.nn.Module, packed: PackedFor
     if a.forward != "native":
         return None
     backend = "inductor" if a.compile and ctx.device().type == "cuda" else None
-    return NativeForward(NativeDecoder(model, compile_backend=backend), packed=packed, chunk=chunk)
+    return NativeForward(NativeDecoder(model, compile_backend=backend), packed=packed, chunk=chunk,
+                         fused_chunk=a.fused_logprob_chunk)
 
 
 class ActorComponent:

@@ -85,6 +85,7 @@ def test_padded_native_equals_hf_logprobs_entropy_and_gradients(name):
     decoder = NativeDecoder(model)
     _assert_same(_loss_and_grads(model, _padded(decoder), _batch(*BATCH)), want)
     _assert_same(_loss_and_grads(model, _padded(decoder, chunk_size=3), _batch(*BATCH)), want)  # chunked head
+    _assert_same(_loss_and_grads(model, _padded(decoder, fused_chunk=5), _batch(*BATCH)), want)  # fused head
 
 
 @pytest.mark.parametrize("name", ["qwen2_tied_bias", "llama_untied"])
