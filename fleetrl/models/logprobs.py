@@ -109,7 +109,13 @@ def _chunk_stats(
     """x: hidden states [B, c, H] (head given) or logits [B, c, V] (head None). Returns logp, entropy [B, c]."""
     # A column slice of [B, R, H] is not contiguous, and a linear layer then runs as a batched matmul over B
     # copies of the head weight (measured 3x slower on CPU with bf16 weights); one small copy avoids that.
-    logits = (head(x.contiguous()) if head is not None else x).float() / temperature
+    raw = head(x.contiguous()) if head is not None else x
+    if return_entropy != True and _triton_logprobs(raw):  # noqa: E712 (True, not "metric": a differentiable entropy)
+        from fleetrl.algo.triton_logprobs import logprobs_from_logits
+
+        logp, entropy = logprobs_from_logits(raw.flatten(0, -2), targets.flatten(), temperature)
+        return logp.view(targets.shape), entropy.view(targets.shape)
+    logits = raw.float() / temperature
     logp_all = F.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
@@ -168,6 +174,21 @@ def _shared_prompt_hidden(model: nn.Module, prompts_BP: torch.Tensor, prompt_mas
                     past_key_values=cache, use_cache=True, cache_position=cache_position)
     # The last prompt column predicts response token 0; response column r predicts token r + 1.
     return torch.cat([first.last_hidden_state[row_of, P - 1:P], rest.last_hidden_state[:, :R - 1]], dim=1)
+
+
+TRITON_LOGPROBS = True
+"""Use algo/triton_logprobs.py for log-probs (and the entropy metric) from logits on CUDA when Triton is installed;
+False forces the torch path (tests compare the two)."""
+
+
+def _triton_logprobs(logits: torch.Tensor) -> bool:
+    if not (TRITON_LOGPROBS and logits.is_cuda):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def check_head_only(model: nn.Module, caller: str) -> None:
