@@ -41,14 +41,15 @@ for p in $PARTS; do case $p in
       --tag _native --out "$OUT" actor.forward=native actor.compile=true algorithm.micro_batch_size=64 ;;
   nativeprof)  # the native e2e again, its third step's update under the torch profiler (kernel time by kind)
     run e2e1_native_prof 220 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 --warmup 3 \
-      --profile-step 3 --tag _native_prof --out "$OUT" actor.forward=native actor.compile=true algorithm.micro_batch_size=64 ;;
+      --profile-step 3 --tag _native_prof${MB:+_mb$MB} --out "$OUT" actor.forward=native actor.compile=true \
+      algorithm.micro_batch_size=${MB:-64} ;;
   nativefused)  # the native e2e with the fused head pass (actor.fused_logprob_chunk) on its padded micro-batches,
     # the third step's update profiled
     run e2e1_native_fused 220 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 --warmup 3 \
       --profile-step 3 --tag _native_fused${MB:+_mb$MB} --out "$OUT" actor.forward=native actor.compile=true \
       algorithm.micro_batch_size=${MB:-64} actor.fused_logprob_chunk=${FUSED_CHUNK:-8192} ;;
   nativepk)  # the same on long-tailed lengths, packed token-budget micro-batches + fused log-probs (flex attention)
-    run e2e1_longtail_nativepk 220 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
+    run e2e1_longtail_nativepk 420 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
       --lengths longtail --tag _longtail_nativepk --out "$OUT" actor.forward=native actor.compile=true \
       algorithm.micro_batch_tokens=16384 actor.fused_logprob_chunk=4096 ;;
   checknative) run check_native 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/check_native.py --samples 32 ;;  # native == HF on GPU
