@@ -202,9 +202,11 @@ def main() -> None:
     ap.add_argument("--data", default=str(ROOT / "data" / "arith"))
     ap.add_argument("--label", default=None)
     ap.add_argument("--set", nargs="*", default=[], help="extra config overrides key=value")
-    ap.add_argument("--omp-wait", default="passive", choices=("passive", "active", "default"),
-                    help="OMP_WAIT_POLICY of the worker: on a shared machine OpenMP threads that spin while "
-                         "their sibling is descheduled make every op up to 100x slower (passive: they sleep)")
+    ap.add_argument("--omp-wait", default="default", choices=("passive", "active", "default"),
+                    help="OMP_WAIT_POLICY of the worker. default: unset, what `fleetrl train` gets (on an idle "
+                         "2-core VM 1.5x faster than passive: 27 vs 40 s/step, bench/RESULTS.md); passive: OpenMP "
+                         "threads sleep between ops, for a machine shared with other jobs, where threads that spin "
+                         "while their sibling is descheduled make every op up to 100x slower")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     if args.compare:

@@ -40,8 +40,9 @@ RESUME = ("model.path=tiny:", "data.prompts_per_step=8", "rollout.n=4", "algorit
 @pytest.mark.xfail(strict=True, reason="LoRA plateaus at 0.79 held-out success on the random-init tiny copy task "
                                       "(tuning above); strict: passing would flag that the threshold is now met")
 def test_lora_learns_the_copy_task(tmp_path, ray_local):
+    # 100 steps: the tuned curve above is flat at .79 from step 100 to 150 (50 more steps cost CI ~35 s)
     curve = val_curve(train_run("examples/quickstart.yaml", tmp_path / "lora", *LORA,
-                                "trainer.total_steps=150", "trainer.val_every=25"))
+                                "trainer.total_steps=100", "trainer.val_every=25"))
     assert curve[0] < 0.2, f"initial held-out success {curve[0]} should start below 20%"
     assert curve[-1] > 0.8, f"held-out success curve {curve} did not pass 80%"
 
