@@ -1,5 +1,5 @@
 """actor.lora through the real Ray workers: the copy task is learned (< 20% -> > 80% held-out, as the full
-fine-tuning estimators in test_learning.py; NOT met yet: 0.79, see the xfail); a LoRA checkpoint holds the adapters only and resumes exactly
+fine-tuning estimators in test_learning.py; with an entropy bonus, see below); a LoRA checkpoint holds the adapters only and resumes exactly
 (6 steps straight == 3 + resume + 3, PPO with a critic and a KL reference that is the actor with its adapters
 off); a separate rollout pool receives the merged adapted projections and nothing else."""
 import pytest
@@ -29,19 +29,19 @@ pytestmark = pytest.mark.slow
 #   rank 16 / alpha 32, lr 1e-3, Adam betas (.9, .99):   .10 .45 .63 (stopped at 75)
 #   + a LoRA on embed_tokens (peft Embedding, untied):  .20 .50 .70 .70
 # At .79 the greedy answer per digit is right for 0, 3, 4, 5, 6, 8, 9 and "6" for 1, 2 and 7 (both first rows
-# alike): the adapted model does not separate those digits' features, so raising "1" on a 1-prompt also raises
-# it on the 6-prompts, where GRPO pushes it back; with the embedding adapted, other digits merge instead.
+# alike), and the policy's entropy has collapsed: all n samples of a 1-prompt answer "6", their advantages are 0,
+# and nothing moves them. Keeping exploration alive gets past it (2026-11-23, local backend, 100 steps):
+#   + algorithm.entropy_coef=0.01:   .04 .10 .58 .84 .87   (seed 0); .04 .12 .67 .90 .94 (seed 1)
+#   + rollout.n=16 (no bonus):       .04 .11 .61 .94 .94   (seed 0; twice the samples per step)
 LORA = ("actor.lora={rank: 16, alpha: 32, targets: [all-linear, lm_head]}", "actor.optim.lr=0.001")
+LEARN = (*LORA, "algorithm.entropy_coef=0.01")
 RESUME = ("model.path=tiny:", "data.prompts_per_step=8", "rollout.n=4", "algorithm.mini_batch_prompts=4",
           "algorithm.micro_batch_size=8", "algorithm.ppo_epochs=2", "trainer.val_every=3", "data.val_max_prompts=16",
           "trainer.save_every=3", "trainer.keep_last=0", "trainer.delta_checkpoints=exact", *LORA)
 
 
-@pytest.mark.xfail(strict=True, reason="LoRA plateaus at 0.79 held-out success on the random-init tiny copy task "
-                                      "(tuning above); strict: passing would flag that the threshold is now met")
 def test_lora_learns_the_copy_task(tmp_path, ray_local):
-    # 100 steps: the tuned curve above is flat at .79 from step 100 to 150 (50 more steps cost CI ~35 s)
-    curve = val_curve(train_run("examples/quickstart.yaml", tmp_path / "lora", *LORA,
+    curve = val_curve(train_run("examples/quickstart.yaml", tmp_path / "lora", *LEARN,
                                 "trainer.total_steps=100", "trainer.val_every=25"))
     assert curve[0] < 0.2, f"initial held-out success {curve[0]} should start below 20%"
     assert curve[-1] > 0.8, f"held-out success curve {curve} did not pass 80%"
