@@ -149,7 +149,7 @@ def summarize(rows: list[dict], stats: list[dict], plan, args, overrides: list[s
         "step_s": step, "tokens_per_step": tokens, "tokens_per_s_per_gpu": tokens / step / g, "phases_s": phases,
         "padding_waste": round(1 - real / slots, 4) if slots else None,
         "update_mfu": _update_mfu(stats or _fixed_length_stats(tokens, plan), phases["update_actor"],
-                                  plan.config.model.path, device, g),
+                                  plan.config.model.path, device, g, body_tokens=real / len(rows) if real else None),
         "peak_gpu_mem_gib": (torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None),
         "rollout_logprob_diff_mean": statistics.mean(r["train/rollout_logprob_diff_mean"] for r in rows),
         "wall_s": time.time() - t0, "overrides": overrides, "tag": args.tag,
@@ -160,12 +160,24 @@ def _fixed_length_stats(tokens: float, plan) -> list[dict]:  # noqa: ANN001
     """The rollout's token counts when it ran in Ray workers (no in-process stats): with fixed lengths every
     sequence has the same length, so Σ len² = samples × (tokens / samples)² exactly."""
     samples = plan.samples_per_step
-    return [{"tokens": tokens, "sum_len_sq": samples * (tokens / samples) ** 2}]
+    return [{"tokens": tokens, "sum_len_sq": samples * (tokens / samples) ** 2,
+             "response_tokens": samples * plan.config.rollout.max_new_tokens}]
 
 
-def _update_mfu(stats: list[dict], update_s: float, model_path: str, device: str, gpus: int) -> float | None:
-    """PaLM-style MFU of the actor update (one forward + backward of every trained token) per GPU; gradient
-    checkpointing's recomputed forward is not counted (model FLOPs, not hardware FLOPs)."""
+def update_flops(body_params: int, head_params: int, attn_per_pair: int, body_tokens: float, response_tokens: float,
+                 sum_len_sq: float) -> float:
+    """Model FLOPs of one forward + backward: 6 per parameter per token, the decoder body over every token the
+    forward computes (a shared prompt once), the LM head over the response tokens only (every forward of ours
+    applies it there alone), and causal attention at `attn_per_pair` per (query, key) pair summed as Σ len²
+    (with shared prompts an upper bound: a prompt's own pairs counted per sample, under 0.5% here)."""
+    return 6 * body_params * body_tokens + 6 * head_params * response_tokens + attn_per_pair * sum_len_sq
+
+
+def _update_mfu(stats: list[dict], update_s: float, model_path: str, device: str, gpus: int,
+                body_tokens: float | None = None) -> float | None:
+    """PaLM-style MFU of the actor update per GPU (`update_flops`); gradient checkpointing's recomputed forward
+    is not counted (model FLOPs, not hardware FLOPs). body_tokens: the tokens the actor's forward computed per
+    step (its tokens_real metric; fewer than the rollout's with shared prompts), else the rollout's."""
     peak = peak_bf16_tflops(device)
     name = model_path.removeprefix(RANDOM_PREFIX)
     if not stats or not peak or update_s <= 0 or name not in QWEN25:
@@ -174,9 +186,11 @@ def _update_mfu(stats: list[dict], update_s: float, model_path: str, device: str
 
     cfg = Qwen2Config(**QWEN25[name], vocab_size=151936)
     with torch.device("meta"):
-        n = matmul_params(Qwen2ForCausalLM(cfg))
+        model = Qwen2ForCausalLM(cfg)
+        n, head = matmul_params(model), model.get_output_embeddings().weight.numel()
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    flops = statistics.mean(6 * n * s["tokens"] + attn * s["sum_len_sq"] for s in stats)
+    flops = statistics.mean(update_flops(n - head, head, attn, body_tokens or s["tokens"], s["response_tokens"],
+                                         s["sum_len_sq"]) for s in stats)
     return round(flops / update_s / gpus / (peak * 1e12), 4)
 
 

@@ -384,21 +384,28 @@ def _check_lora(cfg: RunConfig) -> None:
 def _check_native_forward(cfg: RunConfig) -> None:
     """actor.forward=native's limits; whether the model is a Llama/Qwen2 decoder is checked when it loads."""
     a = cfg.actor
-    if a.forward == "native" and (a.sharding == "fsdp2" or a.share_prompts):
+    if a.forward == "native" and a.sharding == "fsdp2":
         # It calls the backbone's submodules directly, outside the root FSDP2 module's hooks (as the packed path).
-        raise ConfigError(f"actor.forward=native supports neither actor.sharding=fsdp2 nor actor.share_prompts; got "
-                          f"sharding={a.sharding}, share_prompts={a.share_prompts}. Set sharding=none and "
-                          "share_prompts=false, or forward=hf")
+        raise ConfigError("actor.forward=native does not support actor.sharding=fsdp2. Set sharding=none, or "
+                          "forward=hf")
 
 
 def _check_share_prompts(cfg: RunConfig) -> None:
-    a = cfg.actor
-    if a.share_prompts and (a.logprob_chunk is None or cfg.algorithm.micro_batch_tokens is not None
-                            or a.sharding == "fsdp2"):
-        raise ConfigError(f"actor.share_prompts works on the padded, chunked forward only; got actor.logprob_chunk="
-                          f"{a.logprob_chunk}, algorithm.micro_batch_tokens={cfg.algorithm.micro_batch_tokens}, "
+    """Two forwards run a prompt once for the samples that share it: HF's padded, chunked one (the prompt's KV
+    cache gathered per row) and the native packed one (one prompt copy per packed run, models/packing.py)."""
+    a, budget = cfg.actor, cfg.algorithm.micro_batch_tokens
+    if not a.share_prompts:
+        return
+    if a.forward == "native":
+        if budget is None:
+            raise ConfigError("actor.share_prompts with actor.forward=native needs packed micro-batches: set "
+                              "algorithm.micro_batch_tokens (e.g. 16384), or share_prompts=false")
+        return
+    if a.logprob_chunk is None or budget is not None or a.sharding == "fsdp2":
+        raise ConfigError(f"actor.share_prompts with actor.forward=hf works on the padded, chunked forward only; got "
+                          f"actor.logprob_chunk={a.logprob_chunk}, algorithm.micro_batch_tokens={budget}, "
                           f"actor.sharding={a.sharding}. Set actor.logprob_chunk (e.g. 16), micro_batch_tokens=null "
-                          "and sharding=none, or share_prompts=false")
+                          "and sharding=none; or actor.forward=native with micro_batch_tokens; or share_prompts=false")
 
 
 def _map_roles(cfg: RunConfig, active: list[str]) -> dict[str, str]:

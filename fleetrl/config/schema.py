@@ -224,7 +224,7 @@ class ActorConfig:
     """Modelling code of the actor's log-prob forwards: hf (transformers' own, any causal LM) | native (our own
     pure-torch Llama/Qwen2 decoder, models/decoder.py: reads the HF modules' parameters in place, so LoRA,
     optimiser, checkpoints and weight sync are unchanged; padded rows run causal SDPA with no mask, packed rows
-    flex attention; not with sharding=fsdp2 or share_prompts)."""
+    flex attention (shared prompts with share_prompts); not with sharding=fsdp2)."""
     compile: bool = False
     """torch.compile each decoder layer for the training forward/backward (GPU; the first step compiles). With
     forward=native: our layer function, fullgraph and static shapes (padded widths rounded to quarter-octave
@@ -236,10 +236,12 @@ class ActorConfig:
     offload_optimizer: bool = False
     """Move the optimiser state to CPU memory during generation (colocated rollout) and back for the update."""
     share_prompts: bool = False
-    """Padded chunked forwards (needs logprob_chunk) run each distinct prompt of a micro-batch once and gather its
-    KV cache per sample (models/logprobs.py): GRPO's n samples of a prompt pay for it once. Equal to rounding;
-    on CPU 1.7x less update work for SmolLM2 arithmetic (bench/RESULTS.md). Keep micro_batch_size a multiple of
-    rollout.n so a micro-batch holds whole groups."""
+    """GRPO's n samples of a prompt pay for it once in the update. forward=hf: padded chunked forwards (needs
+    logprob_chunk) run each distinct prompt of a micro-batch once and gather its KV cache per sample
+    (models/logprobs.py); keep micro_batch_size a multiple of rollout.n so a micro-batch holds whole groups.
+    forward=native: packed micro-batches (needs micro_batch_tokens) hold one copy of each prompt followed by its
+    samples' responses, each attending to the prompt and itself (models/packing.py), and the token budget counts
+    the prompt once. Equal to rounding; on CPU 1.7x less update work for SmolLM2 arithmetic (bench/RESULTS.md)."""
     lora: LoraConfig | None = None
     """None = full fine-tuning; else only the adapters train (base frozen, optimiser state for adapters only)."""
 

@@ -152,18 +152,25 @@ def _checkpointing(model: nn.Module) -> bool:
     return False
 
 
-def packed_mask(position_ids_1N: torch.Tensor, flex: bool) -> Mask:
-    """Attention within each packed sample, causal. A sample starts where the position id is 0 (packing.pack
-    restarts positions per sample, the alignment pad included). flex: a BlockMask (work ∝ real blocks); else a
-    dense bool [1, 1, N, N]."""
-    doc_N = (position_ids_1N[0] == 0).long().cumsum(0)
+def packed_mask(doc_N: torch.Tensor, seg_N: torch.Tensor, flex: bool) -> Mask:
+    """Who attends to whom in a packed row (models/packing.py `Packed`): query q sees key kv <= q of its own doc
+    whose segment is 0 (the doc's prompt) or q's own, i.e. causal within a sample, and with shared prompts each
+    response sees its prompt and itself, never a sibling. flex: a BlockMask (work ∝ real blocks); else a dense
+    bool [1, 1, N, N]."""
     N = doc_N.shape[0]
     if flex:
-        def same_doc_causal(b, h, q, kv):  # noqa: ANN001, ANN202 - flex's mask_mod signature
-            return (doc_N[q] == doc_N[kv]) & (kv <= q)
+        def shared_prefix_causal(b, h, q, kv):  # noqa: ANN001, ANN202 - flex's mask_mod signature
+            return (doc_N[q] == doc_N[kv]) & (kv <= q) & ((seg_N[kv] == 0) | (seg_N[kv] == seg_N[q]))
 
         # _compile on GPU: the eager builder evaluates mask_mod over a dense N x N grid (16k tokens: 268M cells).
-        return create_block_mask(same_doc_causal, None, None, N, N, device=position_ids_1N.device,
-                                 _compile=position_ids_1N.device.type == "cuda")
-    idx = torch.arange(N, device=position_ids_1N.device)
-    return ((doc_N[:, None] == doc_N[None, :]) & (idx[None, :] <= idx[:, None]))[None, None]
+        return create_block_mask(shared_prefix_causal, None, None, N, N, device=doc_N.device,
+                                 _compile=doc_N.device.type == "cuda")
+    idx = torch.arange(N, device=doc_N.device)
+    same_doc = (doc_N[:, None] == doc_N[None, :]) & (idx[None, :] <= idx[:, None])
+    return (same_doc & ((seg_N[None, :] == 0) | (seg_N[None, :] == seg_N[:, None])))[None, None]
+
+
+def docs_from_positions(position_ids_1N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(doc_N, seg_N) of a row packed without shared prompts: a sample starts where its position id is 0."""
+    doc_N = (position_ids_1N[0] == 0).long().cumsum(0)
+    return doc_N, torch.zeros_like(doc_N)

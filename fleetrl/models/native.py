@@ -86,13 +86,15 @@ def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
 def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP: torch.Tensor,
                            prompt_mask_BP: torch.Tensor, responses_BR: torch.Tensor, response_mask_BR: torch.Tensor,
                            *, temperature: float = 1.0, return_entropy: EntropyMode = False, fused_chunk: int | None = None,
-                           flex: bool = False, align: int = PACK_ALIGN) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """As `packed_logprobs`, through `decoder`; flex: a flex-attention BlockMask, else a dense N x N mask."""
+                           flex: bool = False, align: int = PACK_ALIGN,
+                           share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `packed_logprobs`, through `decoder`; flex: a flex-attention BlockMask, else a dense N x N mask.
+    share_prompts: consecutive samples with one prompt run it once (`pack`)."""
     if temperature <= 0:
         raise ValueError(f"packed_native_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "actor.forward=native")
-    pk = pack(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, align=align)
-    hidden_1ND = decoder.hidden(model, pk.input_ids_1N, pk.position_ids_1N, packed_mask(pk.position_ids_1N, flex))
+    pk = pack(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, align=align, share_prompts=share_prompts)
+    hidden_1ND = decoder.hidden(model, pk.input_ids_1N, pk.position_ids_1N, packed_mask(pk.doc_N, pk.seg_N, flex))
     return packed_head_stats(model, hidden_1ND[0], pk, temperature=temperature, return_entropy=return_entropy,
                              fused_chunk=fused_chunk)
 
@@ -117,11 +119,13 @@ class NativeForward:
                                           chunk_size=self.chunk, fused_chunk=self.fused_chunk)
         return packed_native_logprobs(*args, temperature=temperature, return_entropy=return_entropy,
                                       fused_chunk=self.packed.fused_chunk,
-                                      flex=self.packed.attention == "flex_attention", align=self.packed.row_align)
+                                      flex=self.packed.attention == "flex_attention", align=self.packed.row_align,
+                                      share_prompts=self.packed.share_prompts)
 
-    def token_slots(self, prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor) -> tuple[int, int]:
+    def token_slots(self, prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor,
+                    prompts_BP: torch.Tensor | None = None) -> tuple[int, int]:
         """(real tokens, token slots this forward computes: the packed row, or B x the bucketed width)."""
         if self.packed is not None:
-            return self.packed.token_slots(prompt_mask_BP, response_mask_BR)
+            return self.packed.token_slots(prompt_mask_BP, response_mask_BR, prompts_BP)
         lengths_B = prompt_mask_BP.sum(1) + response_mask_BR.sum(1)
         return int(lengths_B.sum()), prompt_mask_BP.shape[0] * bucket_length(int(lengths_B.max()))

@@ -31,35 +31,70 @@ PACK_ALIGN = 128  # flex attention's default block size
 
 @dataclass(frozen=True)
 class Packed:
-    """One micro-batch packed into a row. N = real tokens + alignment pad, M = response tokens."""
+    """One micro-batch packed into a row. N = packed tokens + alignment pad, M = response tokens.
+
+    doc_N / seg_N say who may attend to whom (`attend_N`): a query sees the earlier keys of its own doc whose
+    segment is 0 (the doc's prompt) or its own. Without prompt sharing every sample is a doc and every segment is
+    0 (same-sample causal); with it a doc is one prompt followed by the responses of every sample that has that
+    prompt, each response its own segment."""
 
     input_ids_1N: torch.Tensor
     position_ids_1N: torch.Tensor
     pred_index_M: torch.Tensor   # [M] index into N of the hidden state that predicts each response token
     targets_M: torch.Tensor      # [M] the response tokens
     response_keep_BR: torch.Tensor  # [B, R] bool, True at the M response tokens (row-major order)
-    real_tokens: int
+    real_tokens: int             # tokens the forward computes, alignment pad excluded
+    doc_N: torch.Tensor | None = None  # [N] doc id; None = derive from positions (a sample starts at position 0)
+    seg_N: torch.Tensor | None = None  # [N] 0 = the doc's shared prompt, else the response's own id
+
+
+def same_prompt_as_previous(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> torch.Tensor:
+    """[B] bool: row b has exactly row b-1's prompt (tokens and mask). GRPO's n samples of a prompt are
+    consecutive rows (the trainer repeats each prompt n times in place), so comparing neighbours finds them."""
+    keyed_BP = prompts_BP * prompt_mask_BP  # pad slots compare equal whatever their id
+    same_B = torch.zeros(prompts_BP.shape[0], dtype=torch.bool, device=prompts_BP.device)
+    same_B[1:] = (keyed_BP[1:] == keyed_BP[:-1]).all(1) & (prompt_mask_BP[1:] == prompt_mask_BP[:-1]).all(1)
+    return same_B
 
 
 def pack(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, responses_BR: torch.Tensor,
-         response_mask_BR: torch.Tensor, align: int = PACK_ALIGN) -> Packed:
-    """Packs the real tokens (mask 1) of every sample into one row; see the module docstring."""
+         response_mask_BR: torch.Tensor, align: int = PACK_ALIGN, share_prompts: bool = False) -> Packed:
+    """Packs the real tokens (mask 1) of every sample into one row; see the module docstring. share_prompts:
+    consecutive samples with the same prompt share one copy of it (their responses follow it, each attending to
+    the prompt and to itself only), so GRPO's n samples of a prompt run it once."""
     ids_BL = torch.cat([prompts_BP, responses_BR], dim=1)
     keep_BL = torch.cat([prompt_mask_BP, response_mask_BR], dim=1).bool()
     if not bool(prompt_mask_BP.bool().any(1).all()):
         raise ValueError("pack: every sample needs at least one prompt token (e.g. BOS) to condition its first "
                          "response token on; a row of prompt_mask is all 0")
-    pos_BL = keep_BL.long().cumsum(1) - 1
-    packed_index_BL = keep_BL.flatten().long().cumsum(0).view_as(keep_BL) - 1  # index in the packed row
-    n = int(keep_BL.sum())
+    B, P = prompts_BP.shape
+    pos_BL = keep_BL.long().cumsum(1) - 1  # a token's position in its own sample, shared prompt or not
+    follower_B = (same_prompt_as_previous(prompts_BP, prompt_mask_BP) if share_prompts
+                  else torch.zeros(B, dtype=torch.bool, device=keep_BL.device))
+    packed_BL = keep_BL.clone()
+    packed_BL[:, :P] &= ~follower_B[:, None]  # a follower's prompt is its leader's, already in the row
+    index_BL = packed_BL.flatten().long().cumsum(0).view_as(packed_BL) - 1  # index in the packed row
+    doc_B = (~follower_B).long().cumsum(0) - 1
+    leader_B = torch.nonzero(~follower_B).flatten()[doc_B]
+    index_BL[:, :P] = index_BL[leader_B, :P]  # every sample reads its prompt where its leader put it
+    # Response token r is predicted by the real token before it in its own sample: list each sample's real
+    # tokens in order (row-major), and take the one before each response token (a prompt token always leads).
+    seq_T = index_BL[keep_BL]
+    is_resp_T = torch.zeros_like(keep_BL)
+    is_resp_T[:, P:] = True
+    pred_M = seq_T[torch.nonzero(is_resp_T[keep_BL]).flatten() - 1]
+    n = int(packed_BL.sum())
     pad = (-n) % align
-    input_ids = torch.cat([ids_BL[keep_BL], ids_BL.new_zeros(pad)])
-    positions = torch.cat([pos_BL[keep_BL], torch.arange(pad, device=pos_BL.device)])
-    P = prompts_BP.shape[1]
+    input_ids = torch.cat([ids_BL[packed_BL], ids_BL.new_zeros(pad)])
+    positions = torch.cat([pos_BL[packed_BL], torch.arange(pad, device=pos_BL.device)])
+    seg_BL = torch.zeros_like(pos_BL)
+    seg_BL[:, P:] = torch.arange(1, B + 1, device=seg_BL.device)[:, None]
+    doc_BL = doc_B[:, None].expand_as(pos_BL)
+    tail = torch.full((pad,), int(doc_B[-1]) + 1 if B else 0, dtype=torch.long, device=pos_BL.device)
     resp_keep_BR = keep_BL[:, P:]
-    return Packed(input_ids_1N=input_ids[None], position_ids_1N=positions[None],
-                  pred_index_M=packed_index_BL[:, P:][resp_keep_BR] - 1, targets_M=responses_BR[resp_keep_BR],
-                  response_keep_BR=resp_keep_BR, real_tokens=n)
+    return Packed(input_ids_1N=input_ids[None], position_ids_1N=positions[None], pred_index_M=pred_M,
+                  targets_M=responses_BR[resp_keep_BR], response_keep_BR=resp_keep_BR, real_tokens=n,
+                  doc_N=torch.cat([doc_BL[packed_BL], tail]), seg_N=torch.cat([seg_BL[packed_BL], tail * 0]))
 
 
 def packed_logprobs(model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
@@ -136,6 +171,9 @@ class PackedForward:
     max_tokens: int
     fused_chunk: int | None = None
     attention: str | None = None  # None = the model's own implementation
+    # One copy of a prompt per run of samples that share it (native forward only: HF's packed masks come from
+    # position ids and cannot express it; config validation refuses the combination).
+    share_prompts: bool = False
 
     @staticmethod
     def choose_attention(name: str, device: torch.device) -> str | None:
@@ -147,6 +185,9 @@ class PackedForward:
     def __call__(self, model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                  responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float,
                  return_entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.share_prompts:
+            raise ValueError("shared prompts in a packed row need actor.forward=native (HF derives its packed "
+                             "attention mask from position ids, which cannot say 'this prompt, not that response')")
         return packed_logprobs(model, prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR,
                                temperature=temperature, return_entropy=return_entropy, fused_chunk=self.fused_chunk,
                                attention=self.attention, align=self.row_align)
@@ -161,7 +202,12 @@ class PackedForward:
             return -(-self.max_tokens // PACK_ALIGN) * PACK_ALIGN
         return PACK_ALIGN
 
-    def token_slots(self, prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor) -> tuple[int, int]:
-        """(real tokens, token slots the packed forward computes: real rounded up to `row_align`)."""
-        real = int(prompt_mask_BP.sum() + response_mask_BR.sum())
+    def token_slots(self, prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor,
+                    prompts_BP: torch.Tensor | None = None) -> tuple[int, int]:
+        """(real tokens, token slots the packed forward computes: real rounded up to `row_align`). With shared
+        prompts (and `prompts_BP` given) a prompt counts once per run of samples that share it."""
+        prompt_B = prompt_mask_BP.sum(1)
+        if self.share_prompts and prompts_BP is not None:
+            prompt_B = prompt_B * ~same_prompt_as_previous(prompts_BP, prompt_mask_BP)
+        real = int(prompt_B.sum() + response_mask_BR.sum())
         return real, real + (-real) % self.row_align

@@ -49,7 +49,8 @@ def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temper
     model.eval()
     device = next(model.parameters()).device
     logps, ents = [], []
-    for mb in update_micro_batches(batch, micro, packed.max_tokens if packed else None):
+    for mb in update_micro_batches(batch, micro, packed.max_tokens if packed else None,
+                                   bool(packed and packed.share_prompts)):
         heartbeat.beat()
         mb = mb.to(device)
         args = (model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
@@ -71,13 +72,15 @@ def gen_temperature(ctx: WorkerContext) -> float:
     return t if t > 0 else 1.0
 
 
-def packed_forward(ctx: WorkerContext) -> PackedForward | None:
-    """The packed forward of this run (algorithm.micro_batch_tokens set), or None for padded micro-batches."""
+def packed_forward(ctx: WorkerContext, native: bool = False) -> PackedForward | None:
+    """The packed forward of this run (algorithm.micro_batch_tokens set), or None for padded micro-batches.
+    native: for actor.forward=native, the one packed forward that can share prompts (actor.share_prompts)."""
     if ctx.plan.micro_batch_tokens is None:
         return None
     a = ctx.cfg.actor
     return PackedForward(max_tokens=ctx.plan.micro_batch_tokens, fused_chunk=a.fused_logprob_chunk,
-                         attention=PackedForward.choose_attention(a.packed_attention, ctx.device()))
+                         attention=PackedForward.choose_attention(a.packed_attention, ctx.device()),
+                         share_prompts=native and a.share_prompts)
 
 
 def native_forward(ctx: WorkerContext, model: torch.nn.Module, packed: PackedForward | None,
@@ -107,7 +110,7 @@ class ActorComponent:
                                      total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),
                                      sharded=ctx.cfg.actor.sharding == "fsdp2",
                                      autocast_dtype=None if ctx.cfg.actor.autocast == "off" else dtype_of(ctx.cfg.actor.autocast))
-        self.packed = packed_forward(ctx)
+        self.packed = packed_forward(ctx, native=ctx.cfg.actor.forward == "native")
         self.native = native_forward(ctx, model, self.packed, self.chunk)
 
     @property
@@ -133,7 +136,8 @@ class ActorComponent:
         return run_update(self.engine, batch, spec, epochs=self.ctx.cfg.algorithm.ppo_epochs,
                           micro_batch_size=self.ctx.plan.micro_batch_size,
                           loss_fn=lambda mb, counts: self._loss(mb, counts, spec), prefix="actor",
-                          micro_batch_tokens=self.packed.max_tokens if self.packed else None)
+                          micro_batch_tokens=self.packed.max_tokens if self.packed else None,
+                          share_prompts=bool(self.packed and self.packed.share_prompts))
 
     def _loss(self, mb: Batch, counts: MiniBatchCounts,
               spec: UpdateSpec) -> tuple[torch.Tensor, dict[str, float | Extreme]]:
@@ -166,7 +170,8 @@ class ActorComponent:
             clip_high=algo.clip_high, dual_clip=algo.dual_clip, is_weights_BT=is_weights, **agg)
         metrics["actor/pg_loss"] = float(loss.detach())
         # Totals (summed over micro-batches and ranks), for padding waste = 1 - real / slots.
-        slots = (forward.token_slots if forward else padded_token_slots)(mb["prompt_mask"], mb["response_mask"])
+        slots = (forward.token_slots(mb["prompt_mask"], mb["response_mask"], mb["prompts"]) if forward
+                 else padded_token_slots(mb["prompt_mask"], mb["response_mask"]))
         metrics.update({"actor/tokens_real": float(slots[0]), "actor/tokens_slots": float(slots[1])})
         metrics.update({f"actor/{k}": float(v) * share for k, v in m.items()})
         if on_policy:  # the recompute pass did not run, so its per-token metrics are measured here

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fleetrl.batch import Batch
+from fleetrl.models.packing import same_prompt_as_previous
 from fleetrl.workers.messages import MiniBatchCounts
 
 
@@ -51,25 +52,33 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     return [trim_padding(batch.select(range(i, min(i + size, n)))) for i in range(0, n, size)]
 
 
-def token_micro_batches(batch: Batch, max_tokens: int) -> list[Batch]:
+def token_micro_batches(batch: Batch, max_tokens: int, share_prompts: bool = False) -> list[Batch]:
     """Consecutive micro-batches of at most `max_tokens` real (prompt + response) tokens each, for the packed
     forward; a sample longer than the budget gets a micro-batch of its own. Every row lands in exactly one, in
-    order, so losses normalised by the mini-batch's global counts sum to the same total as with sample counts."""
-    lengths = (batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)).tolist()
+    order, so losses normalised by the mini-batch's global counts sum to the same total as with sample counts.
+    share_prompts: a row with its predecessor's prompt costs its response only, as the packed row holds that
+    prompt once (models/packing.py `pack`); the first row of a micro-batch always pays for its prompt."""
+    prompt_B, response_B = batch["prompt_mask"].sum(1).tolist(), batch["response_mask"].sum(1).tolist()
+    shared_B = (same_prompt_as_previous(batch["prompts"], batch["prompt_mask"]).tolist() if share_prompts
+                else [False] * len(batch))
     groups: list[list[int]] = []
     used = max_tokens + 1  # forces a new group for the first row
-    for i, n in enumerate(lengths):
+    for i, (p, r, shared) in enumerate(zip(prompt_B, response_B, shared_B)):
+        n = r if shared else p + r
         if used + n > max_tokens:
             groups.append([])
-            used = 0
+            used, n = 0, p + r
         groups[-1].append(i)
         used += n
     return [trim_padding(batch.select(g)) for g in groups]
 
 
-def update_micro_batches(batch: Batch, size: int, max_tokens: int | None) -> list[Batch]:
-    """Token-budget micro-batches when `max_tokens` is set, else `size` samples each."""
-    return micro_batches(batch, size) if max_tokens is None else token_micro_batches(batch, max_tokens)
+def update_micro_batches(batch: Batch, size: int, max_tokens: int | None, share_prompts: bool = False) -> list[Batch]:
+    """Token-budget micro-batches when `max_tokens` is set (counting shared prompts once with `share_prompts`),
+    else `size` samples each."""
+    if max_tokens is None:
+        return micro_batches(batch, size)
+    return token_micro_batches(batch, max_tokens, share_prompts)
 
 
 def trim_padding(mb: Batch) -> Batch:

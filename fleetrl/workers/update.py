@@ -14,7 +14,8 @@ LossFn = Callable[[Batch, MiniBatchCounts], tuple[torch.Tensor, dict[str, float 
 
 
 def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs: int, micro_batch_size: int,
-               loss_fn: LossFn, prefix: str, micro_batch_tokens: int | None = None) -> UpdateMetrics:
+               loss_fn: LossFn, prefix: str, micro_batch_tokens: int | None = None,
+               share_prompts: bool = False) -> UpdateMetrics:
     """`batch` is this rank's share of every mini-batch in mini-batch order (workers/layout.py); `spec.minis`
     holds each mini-batch's GLOBAL counts, so losses are normalised as for the full batch.
 
@@ -23,7 +24,8 @@ def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs
     `Extreme`s (max / min over micro-batches and optimiser steps here, over ranks by the controller). Returns
     the means over optimiser steps, plus `{prefix}/grad_norm` and `/lr` (equal on all ranks) and the count of
     skipped (non-finite) updates. Micro-batches hold `micro_batch_size` samples, or at most `micro_batch_tokens`
-    real tokens when that is set (packed forwards); either way every row of a mini-batch is in exactly one.
+    real tokens when that is set (packed forwards; a shared prompt counted once with `share_prompts`); either
+    way every row of a mini-batch is in exactly one.
     """
     minis = rank_minis(batch, len(spec.minis))
     sums: dict[str, float] = {}
@@ -37,7 +39,7 @@ def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs
 
     for _ in range(epochs):
         for mini, counts in zip(minis, spec.minis):
-            metrics = engine.step(iter(update_micro_batches(mini, micro_batch_size, micro_batch_tokens)),
+            metrics = engine.step(iter(update_micro_batches(mini, micro_batch_size, micro_batch_tokens, share_prompts)),
                                   lambda mb, c=counts: summed_part(mb, c))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -22,8 +22,15 @@ def test_an_unknown_forward_is_refused():
         _plan("actor.forward=fast")
 
 
-@pytest.mark.parametrize("override", ["actor.sharding=fsdp2", "actor.share_prompts=true"])
-def test_native_forward_limits_are_refused_with_the_fix(override):
-    extra = ["actor.logprob_chunk=16"] if "share_prompts" in override else []
-    with pytest.raises(ConfigError, match="actor.forward=native supports neither.*or forward=hf"):
-        _plan("actor.forward=native", override, *extra)
+def test_native_forward_limits_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="actor.forward=native does not support actor.sharding=fsdp2. Set "
+                                          "sharding=none, or forward=hf"):
+        _plan("actor.forward=native", "actor.sharding=fsdp2")
+
+
+def test_native_shared_prompts_need_packed_micro_batches():
+    with pytest.raises(ConfigError, match="actor.share_prompts with actor.forward=native needs packed micro-batches: "
+                                          "set algorithm.micro_batch_tokens"):
+        _plan("actor.forward=native", "actor.share_prompts=true")
+    plan = _plan("actor.forward=native", "actor.share_prompts=true", "algorithm.micro_batch_tokens=4096")
+    assert plan.config.actor.share_prompts and plan.micro_batch_tokens == 4096

@@ -111,8 +111,8 @@ def test_share_prompts_needs_the_chunked_padded_forward():
     from fleetrl.config import derive_plan, load_config
     from fleetrl.config.load import ConfigError
 
-    with pytest.raises(ConfigError, match=r"actor.share_prompts works on the padded, chunked forward only; got "
-                                          r"actor.logprob_chunk=None"):
+    with pytest.raises(ConfigError, match=r"actor.share_prompts with actor.forward=hf works on the padded, chunked "
+                                          r"forward only; got actor.logprob_chunk=None.*or actor.forward=native"):
         derive_plan(load_config(None, ["actor.share_prompts=true"]))
     assert derive_plan(load_config(None, ["actor.share_prompts=true", "actor.logprob_chunk=16"])).config.actor.share_prompts
 

@@ -8,10 +8,17 @@ import pytest
 import torch
 import transformers
 
-from fleetrl.models.decoder import NativeDecoder, NativeForwardError, decoder_layer, packed_mask, rope_cos_sin
+from fleetrl.models.decoder import (
+    NativeDecoder,
+    NativeForwardError,
+    decoder_layer,
+    docs_from_positions,
+    packed_mask,
+    rope_cos_sin,
+)
 from fleetrl.models.logprobs import sequence_logprobs
 from fleetrl.models.native import bucket_length, compact_rows, packed_native_logprobs, padded_native_logprobs
-from fleetrl.models.packing import packed_logprobs
+from fleetrl.models.packing import pack, packed_logprobs
 
 V = 40
 
@@ -96,15 +103,18 @@ def test_packed_native_equals_hf_packed(name, fused):
     _assert_same(_loss_and_grads(model, _packed(NativeDecoder(model), fused_chunk=fused), _batch(*BATCH)), want)
 
 
-def test_packed_native_flex_block_mask_equals_dense_mask():
+@pytest.mark.parametrize("share", [False, True])
+def test_packed_native_flex_block_mask_equals_dense_mask(share):
     # flex_attention runs eagerly on CPU here (its reference implementation, forward only: no CPU backward): the
-    # BlockMask must select exactly the dense block-diagonal causal mask's keys. Gradients through flex are GPU's.
+    # BlockMask must select exactly the dense mask's keys. Gradients through flex are GPU's.
     model = MODELS["qwen2_tied_bias"]().eval()
     decoder = NativeDecoder(model)
-    pr, pm, rs, rm = _batch(*BATCH)
+    pr, pm, rs, rm = _shared_batch() if share else _batch(*BATCH)
     with torch.no_grad():
-        want = packed_native_logprobs(decoder, model, pr, pm, rs, rm, return_entropy=True, flex=False)
-        got = packed_native_logprobs(decoder, model, pr, pm, rs, rm, return_entropy=True, flex=True)
+        want = packed_native_logprobs(decoder, model, pr, pm, rs, rm, return_entropy=True, flex=False,
+                                      share_prompts=share)
+        got = packed_native_logprobs(decoder, model, pr, pm, rs, rm, return_entropy=True, flex=True,
+                                     share_prompts=share)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -186,9 +196,63 @@ def test_bucket_length_quarter_octaves():
 
 def test_packed_mask_keeps_samples_apart():
     # positions 0 1 0 1 2: samples {0,1} and {2,3,4}; query 3 sees keys 2, 3 only.
-    mask = packed_mask(torch.tensor([[0, 1, 0, 1, 2]]), flex=False)[0, 0]
+    mask = packed_mask(*docs_from_positions(torch.tensor([[0, 1, 0, 1, 2]])), flex=False)[0, 0]
     assert mask[3].tolist() == [False, False, True, True, False]
     assert mask[1].tolist() == [True, True, False, False, False]
+
+
+def test_packed_mask_shared_prompt_by_hand():
+    # One doc: prompt p0 p1 (segment 0), response A = a0 a1 (segment 1), response B = b0 (segment 2); then a pad
+    # doc. b0 sees the prompt and itself, not A; a1 sees the prompt, a0 and itself; p1 sees p0 and itself.
+    doc, seg = torch.tensor([0, 0, 0, 0, 0, 1]), torch.tensor([0, 0, 1, 1, 2, 0])
+    mask = packed_mask(doc, seg, flex=False)[0, 0].int().tolist()
+    assert mask[4] == [1, 1, 0, 0, 1, 0]
+    assert mask[3] == [1, 1, 1, 1, 0, 0]
+    assert mask[1] == [1, 1, 0, 0, 0, 0]
+    assert mask[5] == [0, 0, 0, 0, 0, 1]
+
+
+# Two groups of samples that share a prompt (3 of a 4-token prompt, 2 of a 1-token one), responses of 1 to 7
+# tokens: the update's forward runs each prompt once.
+SHARED_GROUPS = ([4, 4, 4, 1, 1], [7, 1, 3, 2, 5])
+
+
+def _shared_batch():
+    pr, pm, rs, rm = _batch(*SHARED_GROUPS)
+    pr[1:3], pr[4] = pr[0], pr[3]  # same prompt tokens within each group
+    return pr, pm, rs, rm
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied_bias", "llama_untied"])
+@pytest.mark.parametrize("fused", [None, 5])
+def test_shared_prompt_packed_native_equals_padded_hf(name, fused):
+    model = MODELS[name]()
+    adv = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])[:, None]
+
+    def run(fn, **kw):
+        pr, pm, rs, rm = _shared_batch()
+        model.zero_grad()
+        lp, ent = fn(model, pr, pm, rs, rm, temperature=0.9, return_entropy=True, **kw)
+        loss = -(lp * adv * rm).sum() / rm.sum() - 0.1 * (ent * rm).sum() / rm.sum()
+        loss.backward()
+        return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = run(sequence_logprobs)
+    _assert_same(run(_packed(NativeDecoder(model), fused_chunk=fused, share_prompts=True)), want)
+
+
+def test_shared_prompt_pack_layout_by_hand():
+    # Rows 0 and 1 share prompt [11 12]; row 2 has [13]. Packed: 11 12 | 21 22 | 31 | 13 | 41 + pads.
+    pr, pm = torch.tensor([[11, 12], [11, 12], [0, 13]]), torch.tensor([[1, 1], [1, 1], [0, 1]])
+    rs, rm = torch.tensor([[21, 22], [31, 0], [41, 0]]), torch.tensor([[1, 1], [1, 0], [1, 0]])
+    pk = pack(pr, pm, rs, rm, share_prompts=True)
+    assert pk.real_tokens == 7 and pk.input_ids_1N[0, :7].tolist() == [11, 12, 21, 22, 31, 13, 41]
+    assert pk.position_ids_1N[0, :7].tolist() == [0, 1, 2, 3, 2, 0, 1]  # row 1's response continues its prompt
+    assert pk.doc_N[:7].tolist() == [0, 0, 0, 0, 0, 1, 1] and pk.seg_N[:7].tolist() == [0, 0, 1, 1, 2, 0, 3]
+    # 21 and 31 are predicted by the prompt's last token (index 1); 22 by 21 (2); 41 by 13 (5).
+    assert pk.pred_index_M.tolist() == [1, 2, 1, 5] and pk.targets_M.tolist() == [21, 22, 31, 41]
+    unshared = pack(pr, pm, rs, rm)
+    assert unshared.real_tokens == 9 and unshared.pred_index_M.tolist() == [1, 2, 5, 7]
 
 
 def test_unsupported_architecture_names_the_type_and_the_supported_ones():

@@ -133,6 +133,20 @@ def test_token_micro_batches_cover_every_sample_once_within_budget():
     assert sorted(r for mb in mbs for r in mb["row"].tolist()) == [0, 1, 2, 3, 4]
 
 
+def test_token_micro_batches_count_a_shared_prompt_once():
+    # Rows 0-2 share a 3-token prompt, rows 3-4 a 2-token one; responses 2, 4, 1, 5, 3. Budget 12, shared:
+    # row 0 costs 3+2=5, row 1 4 (9), row 2 1 (10); row 3 starts a new prompt: 2+5=7 > 12-10 -> new micro-batch,
+    # row 4 3 (10). Unshared the same rows cost 5, 7, 4, 7, 5: [0,1] (12), [2,3] (11), [4].
+    pr, pm, _, rm = _batch([3, 3, 3, 2, 2], [2, 4, 1, 5, 3])
+    pr[1:3], pr[4] = pr[0], pr[3]
+    batch = Batch({"prompts": pr, "prompt_mask": pm, "response_mask": rm, "row": torch.arange(5)})
+    assert [mb["row"].tolist() for mb in token_micro_batches(batch, 12, share_prompts=True)] == [[0, 1, 2], [3, 4]]
+    assert [mb["row"].tolist() for mb in token_micro_batches(batch, 12)] == [[0, 1], [2, 3], [4]]
+    # A micro-batch that starts inside a group pays for the prompt again. Budget 8: row 0 (5); row 1 would make 9,
+    # so it starts a micro-batch at its full 7; row 2 adds 1 (8); row 3 (7) and row 4 (3 shared, 10 > 8) alone.
+    assert [mb["row"].tolist() for mb in token_micro_batches(batch, 8, share_prompts=True)] == [[0], [1, 2], [3], [4]]
+
+
 def _update(model, batch, *, micro_batch_tokens):
     # eps=1 makes Adam's first step lr·g/(|g|+1) ≈ lr·g: smooth in the gradient, so gradients that agree to
     # 1e-7 give updates that agree (with the default eps, ~0 gradients would step by ±lr on rounding noise).
