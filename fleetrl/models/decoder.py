@@ -32,13 +32,15 @@ from torch.utils.checkpoint import checkpoint
 from fleetrl.engines.fast.arch import SUPPORTED_MODEL_TYPES, DecoderSpec, read_spec
 from fleetrl.engines.fast.forward import apply_rope, rms_norm  # HF's ops, shared with decode
 from fleetrl.errors import UserError
+from fleetrl.models import varlen
+from fleetrl.models.varlen import VarlenSegments
 
 try:  # torch >= 2.5; absent builds fall back to the dense mask
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 except ImportError:  # pragma: no cover
     BlockMask = create_block_mask = flex_attention = None  # type: ignore[assignment,misc]
 
-Mask = torch.Tensor | None  # or a flex BlockMask
+Mask = torch.Tensor | VarlenSegments | None  # or a flex BlockMask
 
 
 class NativeForwardError(UserError, ValueError):
@@ -79,6 +81,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> to
     """[B, H, L, Q] attention output; k, v have the KV heads (GQA: each serves num_heads // num_kv_heads)."""
     if BlockMask is not None and isinstance(mask, BlockMask):
         return _flex(q.device.type)(q, k, v, block_mask=mask, enable_gqa=True)
+    if isinstance(mask, VarlenSegments):
+        return varlen.attend(q, k, v, mask)
     if mask is None:  # flash SDPA takes GQA directly when there is no mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     # With a mask, CUDA's SDPA would fall back to its math kernel for GQA; expand the KV heads instead (as HF's
@@ -152,13 +156,16 @@ def _checkpointing(model: nn.Module) -> bool:
     return False
 
 
-def packed_mask(doc_N: torch.Tensor, seg_N: torch.Tensor, flex: bool) -> Mask:
+def packed_mask(doc_N: torch.Tensor, seg_N: torch.Tensor, kind: str = "dense", max_segment: int = 0) -> Mask:
     """Who attends to whom in a packed row (models/packing.py `Packed`): query q sees key kv <= q of its own doc
     whose segment is 0 (the doc's prompt) or q's own, i.e. causal within a sample, and with shared prompts each
-    response sees its prompt and itself, never a sibling. flex: a BlockMask (work ∝ real blocks); else a dense
-    bool [1, 1, N, N]."""
+    response sees its prompt and itself, never a sibling. kind: "dense" (bool [1, 1, N, N]), "flex" (a BlockMask:
+    work ∝ real blocks) or "varlen" (segments for the flash varlen kernel, models/varlen.py, their length bounds
+    at least `max_segment`)."""
     N = doc_N.shape[0]
-    if flex:
+    if kind == "varlen":
+        return varlen.segments(doc_N, seg_N, floor=max_segment)
+    if kind == "flex":
         def shared_prefix_causal(b, h, q, kv):  # noqa: ANN001, ANN202 - flex's mask_mod signature
             return (doc_N[q] == doc_N[kv]) & (kv <= q) & ((seg_N[kv] == 0) | (seg_N[kv] == seg_N[q]))
 

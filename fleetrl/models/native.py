@@ -86,17 +86,24 @@ def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
 def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP: torch.Tensor,
                            prompt_mask_BP: torch.Tensor, responses_BR: torch.Tensor, response_mask_BR: torch.Tensor,
                            *, temperature: float = 1.0, return_entropy: EntropyMode = False, fused_chunk: int | None = None,
-                           flex: bool = False, align: int = PACK_ALIGN,
-                           share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """As `packed_logprobs`, through `decoder`; flex: a flex-attention BlockMask, else a dense N x N mask.
+                           attention: str = "dense", align: int = PACK_ALIGN, share_prompts: bool = False,
+                           max_segment: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `packed_logprobs`, through `decoder`; attention: how the row's samples are kept apart (`packed_mask`:
+    dense, flex or varlen; max_segment: the varlen kernel's length bound, models/varlen.py).
     share_prompts: consecutive samples with one prompt run it once (`pack`)."""
     if temperature <= 0:
         raise ValueError(f"packed_native_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "actor.forward=native")
     pk = pack(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, align=align, share_prompts=share_prompts)
-    hidden_1ND = decoder.hidden(model, pk.input_ids_1N, pk.position_ids_1N, packed_mask(pk.doc_N, pk.seg_N, flex))
+    mask = packed_mask(pk.doc_N, pk.seg_N, attention, max_segment)
+    hidden_1ND = decoder.hidden(model, pk.input_ids_1N, pk.position_ids_1N, mask)
     return packed_head_stats(model, hidden_1ND[0], pk, temperature=temperature, return_entropy=return_entropy,
                              fused_chunk=fused_chunk)
+
+
+def _mask_kind(attention: str | None) -> str:
+    """The native forward's `packed_mask` kind for an actor.packed_attention choice."""
+    return {"flex_attention": "flex", "varlen": "varlen"}.get(attention or "", "dense")
 
 
 @dataclass(frozen=True)
@@ -119,8 +126,8 @@ class NativeForward:
                                           chunk_size=self.chunk, fused_chunk=self.fused_chunk)
         return packed_native_logprobs(*args, temperature=temperature, return_entropy=return_entropy,
                                       fused_chunk=self.packed.fused_chunk,
-                                      flex=self.packed.attention == "flex_attention", align=self.packed.row_align,
-                                      share_prompts=self.packed.share_prompts)
+                                      attention=_mask_kind(self.packed.attention), align=self.packed.row_align,
+                                      share_prompts=self.packed.share_prompts, max_segment=self.packed.max_segment)
 
     def token_slots(self, prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor,
                     prompts_BP: torch.Tensor | None = None) -> tuple[int, int]:

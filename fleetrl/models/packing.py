@@ -174,6 +174,8 @@ class PackedForward:
     # One copy of a prompt per run of samples that share it (native forward only: HF's packed masks come from
     # position ids and cannot express it; config validation refuses the combination).
     share_prompts: bool = False
+    # The longest sample the run can make (prompt + response limits): the varlen kernel's static length bound.
+    max_segment: int = 0
 
     @staticmethod
     def choose_attention(name: str, device: torch.device) -> str | None:
@@ -198,7 +200,7 @@ class PackedForward:
         measured, a 6-step e2e with rows rounded to 128 was still compiling after 240 s. So with flex every row is
         padded to the budget itself (one shape; an oversized single sample takes a multiple of it), trading the
         unfilled tail of the last micro-batch for a single compile. Elsewhere rows round up to PACK_ALIGN."""
-        if self.attention == "flex_attention":
+        if self.attention in ("flex_attention", "varlen"):  # varlen: the compiled layer's shape is the row's
             return -(-self.max_tokens // PACK_ALIGN) * PACK_ALIGN
         return PACK_ALIGN
 

@@ -10,6 +10,7 @@ from fleetrl import heartbeat
 from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss, rollout_correction
 from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo, TrainingEngine
+from fleetrl.models import varlen
 from fleetrl.models.decoder import NativeDecoder
 from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
@@ -78,9 +79,12 @@ def packed_forward(ctx: WorkerContext, native: bool = False) -> PackedForward | 
     if ctx.plan.micro_batch_tokens is None:
         return None
     a = ctx.cfg.actor
+    attention = PackedForward.choose_attention(a.packed_attention, ctx.device())
+    if native and a.packed_attention == "auto" and varlen.available(ctx.device()):
+        attention = "varlen"  # the native forward's own: flash kernels, no block mask (models/varlen.py)
     return PackedForward(max_tokens=ctx.plan.micro_batch_tokens, fused_chunk=a.fused_logprob_chunk,
-                         attention=PackedForward.choose_attention(a.packed_attention, ctx.device()),
-                         share_prompts=native and a.share_prompts)
+                         attention=attention, share_prompts=native and a.share_prompts,
+                         max_segment=ctx.cfg.data.max_prompt_length + ctx.cfg.rollout.max_response_tokens)
 
 
 def native_forward(ctx: WorkerContext, model: torch.nn.Module, packed: PackedForward | None,

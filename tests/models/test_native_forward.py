@@ -97,10 +97,12 @@ def test_padded_native_equals_hf_logprobs_entropy_and_gradients(name):
 
 @pytest.mark.parametrize("name", ["qwen2_tied_bias", "llama_untied"])
 @pytest.mark.parametrize("fused", [None, 5])
-def test_packed_native_equals_hf_packed(name, fused):
+@pytest.mark.parametrize("attention", ["dense", "varlen"])
+def test_packed_native_equals_hf_packed(name, fused, attention):
     model = MODELS[name]()
     want = _loss_and_grads(model, packed_logprobs, _batch(*BATCH), fused_chunk=fused, attention="sdpa")
-    _assert_same(_loss_and_grads(model, _packed(NativeDecoder(model), fused_chunk=fused), _batch(*BATCH)), want)
+    got = _loss_and_grads(model, _packed(NativeDecoder(model), fused_chunk=fused, attention=attention), _batch(*BATCH))
+    _assert_same(got, want)
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -111,9 +113,9 @@ def test_packed_native_flex_block_mask_equals_dense_mask(share):
     decoder = NativeDecoder(model)
     pr, pm, rs, rm = _shared_batch() if share else _batch(*BATCH)
     with torch.no_grad():
-        want = packed_native_logprobs(decoder, model, pr, pm, rs, rm, return_entropy=True, flex=False,
+        want = packed_native_logprobs(decoder, model, pr, pm, rs, rm, return_entropy=True, attention="dense",
                                       share_prompts=share)
-        got = packed_native_logprobs(decoder, model, pr, pm, rs, rm, return_entropy=True, flex=True,
+        got = packed_native_logprobs(decoder, model, pr, pm, rs, rm, return_entropy=True, attention="flex",
                                      share_prompts=share)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -196,7 +198,7 @@ def test_bucket_length_quarter_octaves():
 
 def test_packed_mask_keeps_samples_apart():
     # positions 0 1 0 1 2: samples {0,1} and {2,3,4}; query 3 sees keys 2, 3 only.
-    mask = packed_mask(*docs_from_positions(torch.tensor([[0, 1, 0, 1, 2]])), flex=False)[0, 0]
+    mask = packed_mask(*docs_from_positions(torch.tensor([[0, 1, 0, 1, 2]])))[0, 0]
     assert mask[3].tolist() == [False, False, True, True, False]
     assert mask[1].tolist() == [True, True, False, False, False]
 
@@ -205,7 +207,7 @@ def test_packed_mask_shared_prompt_by_hand():
     # One doc: prompt p0 p1 (segment 0), response A = a0 a1 (segment 1), response B = b0 (segment 2); then a pad
     # doc. b0 sees the prompt and itself, not A; a1 sees the prompt, a0 and itself; p1 sees p0 and itself.
     doc, seg = torch.tensor([0, 0, 0, 0, 0, 1]), torch.tensor([0, 0, 1, 1, 2, 0])
-    mask = packed_mask(doc, seg, flex=False)[0, 0].int().tolist()
+    mask = packed_mask(doc, seg)[0, 0].int().tolist()
     assert mask[4] == [1, 1, 0, 0, 1, 0]
     assert mask[3] == [1, 1, 1, 1, 0, 0]
     assert mask[1] == [1, 1, 0, 0, 0, 0]
@@ -225,7 +227,8 @@ def _shared_batch():
 
 @pytest.mark.parametrize("name", ["qwen2_tied_bias", "llama_untied"])
 @pytest.mark.parametrize("fused", [None, 5])
-def test_shared_prompt_packed_native_equals_padded_hf(name, fused):
+@pytest.mark.parametrize("attention", ["dense", "varlen"])  # varlen: on CPU its per-segment SDPA reference
+def test_shared_prompt_packed_native_equals_padded_hf(name, fused, attention):
     model = MODELS[name]()
     adv = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])[:, None]
 
@@ -238,7 +241,7 @@ def test_shared_prompt_packed_native_equals_padded_hf(name, fused):
         return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     want = run(sequence_logprobs)
-    _assert_same(run(_packed(NativeDecoder(model), fused_chunk=fused, share_prompts=True)), want)
+    _assert_same(run(_packed(NativeDecoder(model), fused_chunk=fused, share_prompts=True, attention=attention)), want)
 
 
 def test_shared_prompt_pack_layout_by_hand():
