@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared nativepkfixed nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -59,7 +59,11 @@ for p in $PARTS; do case $p in
   nativeshared)  # the fixed-length e2e with shared prompts: packed native rows holding each prompt once, then its
     # 8 responses (models/packing.py); budget 17,408 = 8 groups of 126 + 8 x 256 tokens, so 4 full rows per step
     run e2e1_native_shared 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 --warmup 3 \
-      --profile-step 3 --tag _native_shared --out "$OUT" actor.forward=native actor.compile=true \
+      --profile-step 3 --tag _native_shared${TOKENS:+_$TOKENS} --out "$OUT" actor.forward=native actor.compile=true \
+      algorithm.micro_batch_tokens=${TOKENS:-17408} actor.share_prompts=true ;;
+  e2e15shared)  # the 1.5B shape the same way (native, compiled, packed shared-prompt rows, varlen attention)
+    run e2e1_1.5b_shared 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 --warmup 3 \
+      --tag _1.5b_shared --out "$OUT" model.path=random:qwen2.5-1.5b actor.forward=native actor.compile=true \
       algorithm.micro_batch_tokens=${TOKENS:-17408} actor.share_prompts=true ;;
   nativepkfixed)  # the same packed rows without sharing (16,384 tokens: 42 samples of 382), for the comparison
     run e2e1_native_packed_fixed 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 \
