@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -69,6 +69,11 @@ for p in $PARTS; do case $p in
     run e2e1_native_packed_fixed 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 6 \
       --warmup 3 --tag _native_packed_fixed --out "$OUT" actor.forward=native actor.compile=true \
       algorithm.micro_batch_tokens=16384 ;;
+  ltvarlen|ltshared)  # long-tailed lengths, packed native rows through the varlen kernel; ltshared with shared prompts
+    extra=$([ "$p" = ltshared ] && echo actor.share_prompts=true || echo actor.packed_attention=varlen)
+    run e2e1_longtail_$p 420 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
+      --lengths longtail --tag _longtail_$p --out "$OUT" actor.forward=native actor.compile=true \
+      algorithm.micro_batch_tokens=16384 $extra ;;
   checknative) run check_native 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/check_native.py --samples 32 ;;  # native == HF on GPU
   trainnative)  # plain update loop at 8x2048: eager HF vs compiled HF layers vs our own compiled forward
     run train_update_native 140 env CUDA_VISIBLE_DEVICES=0 python3 bench/train_update.py --native --shapes qwen2.5-0.5b \

@@ -73,7 +73,22 @@ def segments(doc_N: torch.Tensor, seg_N: torch.Tensor, floor: int = 0) -> Varlen
     kv_index = torch.where(t_K < prefix_S[seg_K], prompt_start_D[doc_S[seg_K]] + t_K,
                            start_S[seg_K] + t_K - prefix_S[seg_K])
     max_q, max_k = (int(x) for x in torch.stack([q_len_S.max(), k_len_S.max()]).tolist())
-    return VarlenSegments(q_cu.int(), k_cu.int(), kv_index, max(floor, _pow2(max_q)), max(floor, _pow2(max_k)))
+    return VarlenSegments(_pad_cu(q_cu), _pad_cu(k_cu), _pad_index(kv_index), max(floor, _pow2(max_q)),
+                          max(floor, _pow2(max_k)))
+
+
+def _pad_cu(cu_S1: torch.Tensor) -> torch.Tensor:
+    """Offsets padded to a power-of-two count with empty segments (the last offset repeated; the kernel skips a
+    zero-length sequence): a compiled layer takes every tensor's shape as a constant, and the segment count of a
+    long-tailed micro-batch changes every time."""
+    n = cu_S1.shape[0]
+    return torch.cat([cu_S1, cu_S1[-1:].expand(_pow2(n) - n)]).int()
+
+
+def _pad_index(index_K: torch.Tensor) -> torch.Tensor:
+    """Key indices padded to a power-of-two count (gathered rows past the last offset are never read)."""
+    n = index_K.shape[0]
+    return torch.cat([index_K, index_K.new_zeros(_pow2(n) - n)])
 
 
 def attend(q_1HNQ: torch.Tensor, k_1GNQ: torch.Tensor, v_1GNQ: torch.Tensor, seg: VarlenSegments) -> torch.Tensor:

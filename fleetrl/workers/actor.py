@@ -80,8 +80,10 @@ def packed_forward(ctx: WorkerContext, native: bool = False) -> PackedForward | 
         return None
     a = ctx.cfg.actor
     attention = PackedForward.choose_attention(a.packed_attention, ctx.device())
-    if native and a.packed_attention == "auto" and varlen.available(ctx.device()):
-        attention = "varlen"  # the native forward's own: flash kernels, no block mask (models/varlen.py)
+    if native and a.share_prompts and a.packed_attention == "auto" and varlen.available(ctx.device()):
+        # Shared-prompt rows as flex blocks are mostly partial blocks (measured 0.61 s updates against 0.49 s with
+        # varlen); plain packed rows keep flex, measured on long-tailed lengths (bench/RESULTS.md).
+        attention = "varlen"
     return PackedForward(max_tokens=ctx.plan.micro_batch_tokens, fused_chunk=a.fused_logprob_chunk,
                          attention=attention, share_prompts=native and a.share_prompts,
                          max_segment=ctx.cfg.data.max_prompt_length + ctx.cfg.rollout.max_response_tokens)

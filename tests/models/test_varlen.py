@@ -12,9 +12,10 @@ def test_segments_of_a_shared_prompt_row_by_hand():
     doc = torch.tensor([0, 0, 0, 0, 0, 1, 1, 2])
     seg = torch.tensor([0, 0, 1, 1, 2, 0, 3, 0])
     s = varlen.segments(doc, seg)
-    assert s.q_cu.tolist() == [0, 2, 4, 5, 6, 7, 8]        # runs: P0, A, B, P1, R, pad
-    assert s.k_cu.tolist() == [0, 2, 6, 9, 10, 12, 13]     # keys: 2, 2+2, 2+1, 1, 1+1, 1
-    assert s.kv_index.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 5, 6, 7]
+    # Runs P0, A, B, P1, R, pad; then one empty segment pads the 7 offsets to 8 (static shapes when compiled).
+    assert s.q_cu.tolist() == [0, 2, 4, 5, 6, 7, 8, 8]
+    assert s.k_cu.tolist() == [0, 2, 6, 9, 10, 12, 13, 13]  # keys: 2, 2+2, 2+1, 1, 1+1, 1
+    assert s.kv_index.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 5, 6, 7, 0, 0, 0]  # 13 padded to 16
     assert (s.max_q, s.max_k) == (2, 4) and s.q_cu.dtype == torch.int32
 
 
