@@ -2,6 +2,7 @@
 failures. A failing or hanging reward function scores `rewards.default_score` and shows up in the metrics."""
 from __future__ import annotations
 
+from itertools import compress
 from typing import Any
 
 import torch
@@ -42,8 +43,10 @@ class RewardScorer:
         self.runner.close()
 
     def decode(self, batch: Batch) -> list[str]:
-        return [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
-                for r, m in zip(batch["responses"], batch["response_mask"])]
+        """Each response's kept tokens as text, special tokens dropped: what tokenizer.decode gives per row."""
+        # One .tolist() per tensor and a mask applied in Python: a tensor mask op per row cost more than the copy.
+        ids, mask = batch["responses"].tolist(), batch["response_mask"].tolist()
+        return batch_decode(self.tokenizer, [list(compress(r, m)) for r, m in zip(ids, mask)])
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         if self.from_env:
@@ -57,6 +60,20 @@ class RewardScorer:
         stats = {"reward_errors": float(result.num_errors), "reward_timeouts": float(result.num_timeouts),
                  "reward_skipped": float(getattr(result, "num_skipped", 0))}
         return torch.tensor(result.scores, dtype=torch.float32), stats
+
+
+def batch_decode(tokenizer: Any, rows: list[list[int]]) -> list[str]:
+    """tokenizer.batch_decode(rows, skip_special_tokens=True), through one call into a fast tokenizer's Rust
+    backend where that gives the same texts. transformers (5.x) batch_decode loops over the rows in Python, while
+    the backend's decode_batch decodes them in parallel: 256 x 256 Qwen ids took ~24-30 ms instead of ~36-55 ms
+    row by row on 2 cores. Same texts: a fast tokenizer's decode is its backend's decode, then an optional
+    clean-up of spaces, so the shortcut is only taken with that clean-up off."""
+    if not rows:
+        return []  # batch_decode([]) returns [""]: an empty batch would look like one response
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+        return backend.decode_batch(rows, skip_special_tokens=True)
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
 def _jsonable(prompts: Any) -> list:

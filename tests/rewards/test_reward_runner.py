@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
 
 import pytest
 
 from fleetrl.rewards import RewardError, RewardRouter, RewardRunner
+from fleetrl.rewards import runner as runner_module
 from fleetrl.rewards.errors import ScorerFailureError
-from fleetrl.rewards.runner import _interleaved
+from fleetrl.rewards.runner import _batch_size, _Claims, _interleaved
 
 SCORERS_FILE = """
 import os
@@ -46,6 +48,13 @@ def hangs_on_three(response, ground_truth, extra_info):
 
 def forever(response, ground_truth, extra_info):
     time.sleep(3600)
+
+def nap(response, ground_truth, extra_info):
+    time.sleep(float(response))
+    if "log" in extra_info:  # finishing order, one ground truth a line
+        with open(extra_info["log"], "a") as f:
+            f.write(ground_truth + "\\n")
+    return 1.0
 """
 
 
@@ -53,7 +62,7 @@ def forever(response, ground_truth, extra_info):
 def router(tmp_path):
     path = tmp_path / "scorers.py"
     path.write_text(SCORERS_FILE)
-    names = ["ok", "boom", "sleepy", "bad_return", "with_metrics", "die", "flaky", "hangs_on_three", "forever"]
+    names = ["ok", "boom", "sleepy", "bad_return", "with_metrics", "die", "flaky", "hangs_on_three", "forever", "nap"]
     return RewardRouter({name: f"{path}:{name}" for name in names})
 
 
@@ -180,3 +189,100 @@ def test_one_prompt_that_hangs_does_not_mark_the_scorer_hung(router):
         result = runner.score(["x"] * 16, truths, ["hangs_on_three"] * 16, [{}] * 16)
     assert result.scores == [0.0] * 8 + [1.0] * 8
     assert result.num_timeouts + result.num_skipped == 8 and result.num_timeouts >= 3
+
+
+# ------------------------------------------------------------------------------- batches of calls per worker
+@pytest.fixture
+def batched(monkeypatch):
+    """Small passes batched too (by default they go one call per message): each worker's share of the pass is one
+    batch, so the tests below can tell which calls share a batch."""
+    monkeypatch.setattr(runner_module, "MIN_BATCHES_PER_WORKER", 1)
+
+
+def test_batch_size_is_bounded_by_the_pass_and_the_workers():
+    # min(16, n // (4 × workers)), at least 1: one call per message below 8 × workers samples.
+    assert [_batch_size(n, 4) for n in (16, 31, 32, 64, 256, 1000)] == [1, 1, 2, 4, 16, 16]
+    assert _batch_size(5, 1) == 1 and _batch_size(8, 1) == 2
+
+
+@pytest.mark.parametrize("ctx", [None, "spawn"])
+def test_claims_tell_the_runner_exactly_which_calls_were_not_started(ctx):
+    claims = _Claims(None if ctx is None else multiprocessing.get_context(ctx))
+    first = claims.begin(3)
+    assert claims.take(first) and claims.take(first)  # the worker starts two of three
+    assert claims.cut() == 2  # the runner takes the third back...
+    assert not claims.take(first)  # ...and the worker can no longer start it
+    second = claims.begin(2)
+    assert not claims.take(first)  # a worker still leaving batch 1 cannot take batch 2's claims
+    assert claims.take(second) and claims.take(second) and not claims.take(second)
+    assert claims.cut() == 2  # all started: nothing to take back
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_call_that_hangs_in_the_middle_of_a_batch_times_out_alone(router, isolation, batched):
+    # One worker, so the 5 samples go to it as one batch; the third hangs. Only it times out: the two before it
+    # answered, the two after it go back to the queue and score on the replacement worker.
+    with RewardRunner(router, isolation=isolation, timeout_s=0.5, num_workers=1) as runner:
+        score(runner, ["ok"], ["a"])  # start the worker before timing
+        start = time.monotonic()
+        result = score(runner, ["sleepy"] * 5, ["fast", "fast", "hang", "fast", "fast"])
+        elapsed = time.monotonic() - start
+    assert result.scores == [1.0, 1.0, 0.0, 1.0, 1.0]
+    assert (result.num_timeouts, result.num_errors, result.num_skipped) == (1, 0, 0)
+    assert "sample 2" in result.errors[0] and "no result within 0.5s" in result.errors[0]
+    assert elapsed < 5.0
+
+
+def test_timeout_s_limits_each_call_of_a_batch_not_the_batch(router, batched):
+    # 4 calls of 0.3 s in one batch take 1.2 s, more than timeout_s = 0.5, but each call is well within it.
+    with RewardRunner(router, isolation="thread", timeout_s=0.5, num_workers=1) as runner:
+        start = time.monotonic()
+        result = score(runner, ["nap"] * 4, ["0.3"] * 4)
+        elapsed = time.monotonic() - start
+    assert result.scores == [1.0] * 4 and result.num_timeouts == 0
+    assert elapsed >= 1.2
+
+
+def test_an_idle_worker_takes_over_the_calls_stuck_behind_a_slow_one(router, tmp_path, batched):
+    # Distinct ground truths keep the order 0..7, so with 2 workers the batches are [0 1 2 3] and [4 5 6 7].
+    # Sample 1 naps 1 s; 4..7 nap 0.05 s each, so the second worker is idle at ~0.2 s while the first is inside
+    # sample 1: it takes over samples 2 and 3, which finish before 1 instead of after it.
+    log = tmp_path / "finished.txt"
+    naps = ["0", "1.0", "0", "0", "0.05", "0.05", "0.05", "0.05"]
+    with RewardRunner(router, isolation="thread", timeout_s=5.0, num_workers=2) as runner:
+        result = runner.score(naps, [str(i) for i in range(8)], ["nap"] * 8, [{"log": str(log)}] * 8)
+    assert result.scores == [1.0] * 8
+    finished = log.read_text().split()
+    assert finished[-1] == "1" and sorted(finished) == [str(i) for i in range(8)]
+
+
+@pytest.mark.parametrize("isolation", ["thread", "auto"])
+def test_a_hung_scorers_calls_waiting_in_another_workers_batch_are_not_run(router, isolation, batched):
+    # 16 samples with distinct ground truths, 4 workers: batches [0..3] [4..7] [8..11] [12..15]. The first three
+    # batches call `forever`. The fourth naps 0.75 s (12) then 1.2 s (13), so at the timeout (1.5 s) it is inside
+    # 13, with 14 (`forever`) and 15 (a nap) not started. The three timeouts in a row (0, 4, 8) mark `forever`
+    # hung: the 9 calls behind them and 14, taken back from the busy fourth worker, are skipped, never run (run,
+    # 14 would be a 4th timeout); 15 is queued again and scores. (auto: the first timeout moves work to
+    # processes, taking back the unstarted calls of the busy threads first; same outcome.)
+    sources = ["forever"] * 12 + ["nap", "nap", "forever", "nap"]
+    responses = ["x"] * 12 + ["0.75", "1.2", "x", "0"]
+    with RewardRunner(router, isolation=isolation, timeout_s=TIMEOUT_S, num_workers=4) as runner:
+        result = runner.score(responses, [str(i) for i in range(16)], sources, [{}] * 16)
+    assert result.scores == [0.0] * 12 + [1.0, 1.0, 0.0, 1.0]
+    assert (result.num_timeouts, result.num_skipped, result.num_errors) == (3, 10, 0)
+    assert "sample 1 " in result.errors[1] and "timed out on 3 calls in a row" in result.errors[1]
+
+
+def test_a_sample_that_cannot_be_sent_fails_alone(router, batched):
+    extras = [{}, {"f": lambda: None}, {}]  # a lambda does not pickle: the batch of 3 cannot be sent as is
+    with RewardRunner(router, isolation="thread", default_score=-1.0, num_workers=1) as runner:
+        result = runner.score(["a", "a", "a"], ["a", "a", "a"], ["ok"] * 3, extras)
+    assert result.scores == [1.0, -1.0, 1.0] and result.num_errors == 1
+    assert "sample 1" in result.errors[0] and "could not send the sample" in result.errors[0]
+
+
+def test_a_process_that_dies_in_the_middle_of_a_batch_fails_that_sample_only(router, batched):
+    with RewardRunner(router, isolation="process", num_workers=1) as runner:
+        result = score(runner, ["ok", "die", "ok", "ok"], ["a", "x", "a", "a"])
+    assert result.scores == [1.0, 0.0, 1.0, 1.0] and result.num_errors == 1
+    assert "sample 1" in result.errors[0] and "worker died" in result.errors[0]
