@@ -5,7 +5,7 @@ runner over a pipe; the runner sends an idle worker a batch of up to BATCH_SIZE 
 passes), waits for replies with `multiprocessing.connection.wait`, and gives up on any call running longer than
 `timeout_s`. The worker replies after each call and the runner restarts that worker's clock on every reply, so
 `timeout_s` limits each call, not the batch: time spent queued behind batch-mates does not count. Before
-starting each call the worker takes a claim (`_Claims`, shared with the runner under a lock), so the runner
+starting each call the worker takes a claim (`workers.Claims`, shared with the runner under a lock), so the runner
 can take back the calls a worker has not started, knowing exactly which those are. It does so whenever a
 worker is idle, and deals them again in order, so a call waits behind a slow or hung batch-mate only while no
 worker is free; when a call times out only that call fails and the rest of its batch is queued again.
@@ -36,8 +36,6 @@ import logging
 import math
 import multiprocessing
 import numbers
-import signal
-import threading
 import time
 import weakref
 from collections import deque
@@ -48,12 +46,11 @@ from typing import Any
 
 from fleetrl.rewards.errors import RewardError
 from fleetrl.rewards.failures import HUNG_AFTER, MAX_ERROR_MESSAGES, RewardResult, Tally, check_failure_rate
-from fleetrl.rewards.registry import SCORERS, RewardRouter, resolve_scorer
-from fleetrl.rewards.scorers import Scorer
+from fleetrl.rewards.registry import SCORERS, RewardRouter
+from fleetrl.rewards.workers import RewardWorker, close_all
 
 logger = logging.getLogger("fleetrl.rewards")
 
-WORKER_START_TIMEOUT_S = 120.0  # a spawned worker re-imports Python modules; slow file systems take a while
 ISOLATIONS = ("auto", "thread", "process")
 # Calls sent to a worker in one message. A message per call cost a thread wake-up on each side of the pipe per
 # sample (~0.1 ms on 2 cores: 256 cheap calls took ~25 ms); 16 gets most of the saving (64 was no faster), and
@@ -64,164 +61,15 @@ BATCH_SIZE = 16
 # until an idle worker takes it over, and when every worker is stuck on a hang (a small pass where one prompt
 # hangs) none is idle. Such passes have few round trips to save; the trainer's (hundreds) get BATCH_SIZE.
 MIN_BATCHES_PER_WORKER = 4
-# The runner's side of a claim lock waits at most this long: only a worker killed inside its few-instruction
-# critical section holds it longer, and that worker is then treated as dead rather than hanging the runner.
-CLAIM_LOCK_TIMEOUT_S = 5.0
 # What a spawned worker can resolve: file specs and the builtins (names registered at run time exist only here).
 _CHILD_SCORERS = frozenset(SCORERS)
-
-
-# ---------------------------------------------------------------------------------------------- workers
-class _Claims:
-    """Which calls of its current batch a worker may still start, shared by the worker and the runner.
-
-    The worker takes a claim before each call; the runner can withdraw the unclaimed rest at any moment (`cut`)
-    and learns exactly how many were started, with no message to wait for and no race, since both sides change
-    the state under one lock. Batches are numbered so that a worker still leaving a cut batch cannot take a
-    claim of the next one."""
-
-    def __init__(self, ctx: Any | None) -> None:
-        # state: [batch number, calls started, calls allowed]; shared memory when the worker is a process.
-        if ctx is None:
-            self._lock: Any = threading.Lock()
-            self._state: Any = [0, 0, 0]
-        else:
-            self._lock = ctx.Lock()
-            self._state = ctx.RawArray("q", 3)
-
-    def begin(self, size: int) -> int:
-        """Runner, before sending a batch: allows its `size` calls; returns the number to send along with it."""
-        if not self._lock.acquire(timeout=CLAIM_LOCK_TIMEOUT_S):
-            raise OSError("the reward worker holds its claim lock: it died inside it")
-        try:
-            self._state[0] += 1
-            self._state[1], self._state[2] = 0, size
-            return self._state[0]
-        finally:
-            self._lock.release()
-
-    def take(self, batch: int) -> bool:
-        """Worker, before each call: may it start the next call of `batch`?"""
-        with self._lock:
-            if self._state[0] != batch or self._state[1] >= self._state[2]:
-                return False
-            self._state[1] += 1
-            return True
-
-    def cut(self) -> int | None:
-        """Runner: lets no further call of the current batch start; returns how many started (None: unknown)."""
-        if not self._lock.acquire(timeout=CLAIM_LOCK_TIMEOUT_S):
-            return None
-        try:
-            self._state[2] = self._state[1]
-            return self._state[1]
-        finally:
-            self._lock.release()
-
-
-def _serve(conn: Connection, claims: _Claims) -> None:
-    """Worker loop: receive (batch number, [(spec, response, ground_truth, extra_info), ...]) and reply to each
-    call it may start, in order, as it finishes: ("ok", value) or ("error", msg). None stops the worker."""
-    conn.send(("ready", None))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None or not _serve_batch(conn, claims, *message):
-            return
-
-
-def _serve_batch(conn: Connection, claims: _Claims, batch: int, tasks: list[tuple]) -> bool:
-    """Runs the calls of a batch until done or cut; False when the runner has closed the pipe."""
-    scorers: dict[str, Scorer] = {}  # resolved once per batch: resolving a file scorer stats the file
-    for task in tasks:
-        if not claims.take(batch):  # the runner took the rest back
-            return True
-        try:
-            _send_reply(conn, _call(task, scorers))
-        except OSError:  # the runner gave up on this worker (timeout) and closed our pipe
-            return False
-    return True
-
-
-def _call(task: tuple, scorers: dict[str, Scorer]) -> tuple[str, Any]:
-    spec, response, ground_truth, extra_info = task
-    try:
-        if spec not in scorers:
-            scorers[spec] = resolve_scorer(spec)
-        return ("ok", scorers[spec](response, ground_truth, extra_info))
-    except (Exception, SystemExit) as exc:
-        return ("error", f"{type(exc).__name__}: {exc}")
-
-
-def _send_reply(conn: Connection, reply: tuple[str, Any]) -> None:
-    try:
-        conn.send(reply)
-    except OSError:  # a closed pipe is the caller's concern
-        raise
-    except Exception as exc:  # the value did not pickle; nothing was written, so the pipe is still usable
-        conn.send(("error", f"scorer returned a value that cannot be sent back ({type(exc).__name__}: {exc})"))
-
-
-def _serve_process(conn: Connection, claims: _Claims) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then stops us
-    _serve(conn, claims)
-
-
-class _Worker:
-    """One thread or process running `_serve`; `conn` is the runner's end of its pipe."""
-
-    def __init__(self, ctx: Any | None) -> None:
-        self.conn, child = multiprocessing.Pipe() if ctx is None else ctx.Pipe()
-        self.claims = _Claims(ctx)
-        if ctx is None:
-            self._proc = None
-            threading.Thread(target=_serve, args=(child, self.claims), daemon=True, name="fleetrl-reward").start()
-        else:
-            self._proc = ctx.Process(target=_serve_process, args=(child, self.claims), daemon=True,
-                                     name="fleetrl-reward")
-            self._proc.start()
-            child.close()
-
-    @property
-    def is_thread(self) -> bool:
-        return self._proc is None
-
-    def wait_ready(self) -> None:
-        try:
-            if not self.conn.poll(WORKER_START_TIMEOUT_S):
-                raise EOFError
-            self.conn.recv()
-        except (EOFError, OSError) as exc:
-            self.kill()
-            raise RuntimeError("a reward worker process failed to start (see its traceback above); "
-                               "try rewards.isolation=thread to debug") from exc
-
-    def kill(self) -> None:
-        """Terminates a process worker; a thread worker cannot be stopped, so it is cut loose instead."""
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join()
-        self.conn.close()  # an abandoned thread sees a closed pipe when its call returns, and exits
-
-    def close(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        if self._proc is not None:
-            self._proc.join(timeout=1.0)
-            if self._proc.is_alive():
-                self._proc.kill()
-        self.conn.close()
 
 
 @dataclass
 class _Job:
     """The batch a worker is running: task indices in the order it runs them; the first `answered` replied."""
 
-    worker: _Worker
+    worker: RewardWorker
     batch: list[int]
     # When the first unanswered call started as far as the runner can tell: the batch was sent, or the call
     # before it answered. Never earlier than the real start, so a call gets at least timeout_s.
@@ -272,11 +120,11 @@ class RewardRunner:
         self.max_failure_rate = max_failure_rate
         self._mp_context = mp_context
         self._ctx = multiprocessing.get_context(mp_context) if isolation == "process" else None
-        self._idle: list[_Worker] = []
+        self._idle: list[RewardWorker] = []
         self._logged: set[str] = set()
         self.num_abandoned_threads = 0
         # Stops idle worker processes when the runner is garbage collected without close().
-        weakref.finalize(self, _close_all, self._idle)
+        weakref.finalize(self, close_all, self._idle)
 
     def score(self, responses: list[str], ground_truths: list, data_sources: list[str],
               extra_infos: list[dict]) -> RewardResult:
@@ -293,7 +141,7 @@ class RewardRunner:
         return result
 
     def close(self) -> None:
-        _close_all(self._idle)
+        close_all(self._idle)
 
     def __enter__(self) -> "RewardRunner":
         return self
@@ -335,7 +183,7 @@ class RewardRunner:
         while st.todo and self._idle:
             self._send(st, self._idle.pop(), [st.todo.popleft() for _ in range(min(size, len(st.todo)))])
 
-    def _send(self, st: _Pass, worker: _Worker, batch: list[int]) -> None:
+    def _send(self, st: _Pass, worker: RewardWorker, batch: list[int]) -> None:
         try:
             message = (worker.claims.begin(len(batch)), [st.tasks[i] for i in batch])
             worker.conn.send(message)
@@ -400,7 +248,7 @@ class RewardRunner:
         if back:
             st.todo = deque(sorted([*st.todo, *back], key=st.rank.__getitem__))
 
-    def _keep(self, worker: _Worker) -> None:
+    def _keep(self, worker: RewardWorker) -> None:
         if worker.is_thread and self._ctx is not None:  # escalated to processes while this call ran
             worker.close()
         else:
@@ -408,7 +256,7 @@ class RewardRunner:
 
     def _fill_idle(self, want: int) -> None:
         try:
-            fresh = [_Worker(self._ctx) for _ in range(want - len(self._idle))]
+            fresh = [RewardWorker(self._ctx) for _ in range(want - len(self._idle))]
             for worker in fresh:  # started together, waited for together: spawn start-up overlaps
                 worker.wait_ready()
         except RuntimeError:
@@ -418,7 +266,7 @@ class RewardRunner:
             logger.warning("rewards.isolation=auto could not start reward worker processes; staying with threads "
                            "(a timed-out call keeps running in the background)")
             self._ctx = None
-            fresh = [_Worker(None) for _ in range(want - len(self._idle))]
+            fresh = [RewardWorker(None) for _ in range(want - len(self._idle))]
         self._idle.extend(fresh)
 
     def _expire(self, st: _Pass) -> list[int]:
@@ -443,7 +291,7 @@ class RewardRunner:
             return
         logger.warning("a reward call timed out after %gs; rewards.isolation=auto now scores in worker processes "
                        "so that timed-out calls are terminated, not left running", self.timeout_s)
-        _close_all(self._idle)  # idle threads are replaced by processes as calls are dispatched
+        close_all(self._idle)  # idle threads are replaced by processes as calls are dispatched
         self._ctx = multiprocessing.get_context(self._mp_context)
         for conn, job in list(st.busy.items()):  # busy threads finish their current call; the rest moves
             self._take_back(st, conn, job)
@@ -551,11 +399,6 @@ def _drop_unsendable(st: _Pass, batch: list[int], exc: Exception) -> list[int]:
             st.outcomes[i] = ("error", f"could not send the sample to a worker: {exc}")
         return []
     return sendable
-
-
-def _close_all(workers: list[_Worker]) -> None:
-    while workers:
-        workers.pop().close()
 
 
 def _as_score(value: Any) -> tuple[float, dict]:

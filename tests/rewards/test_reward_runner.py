@@ -10,7 +10,8 @@ import pytest
 from fleetrl.rewards import RewardError, RewardRouter, RewardRunner
 from fleetrl.rewards import runner as runner_module
 from fleetrl.rewards.errors import ScorerFailureError
-from fleetrl.rewards.runner import _batch_size, _Claims, _interleaved
+from fleetrl.rewards.runner import _batch_size, _interleaved
+from fleetrl.rewards.workers import Claims
 
 SCORERS_FILE = """
 import os
@@ -207,7 +208,7 @@ def test_batch_size_is_bounded_by_the_pass_and_the_workers():
 
 @pytest.mark.parametrize("ctx", [None, "spawn"])
 def test_claims_tell_the_runner_exactly_which_calls_were_not_started(ctx):
-    claims = _Claims(None if ctx is None else multiprocessing.get_context(ctx))
+    claims = Claims(None if ctx is None else multiprocessing.get_context(ctx))
     first = claims.begin(3)
     assert claims.take(first) and claims.take(first)  # the worker starts two of three
     assert claims.cut() == 2  # the runner takes the third back...
