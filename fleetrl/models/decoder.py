@@ -176,8 +176,3 @@ def packed_mask(doc_N: torch.Tensor, seg_N: torch.Tensor, kind: str = "dense", m
     same_doc = (doc_N[:, None] == doc_N[None, :]) & (idx[None, :] <= idx[:, None])
     return (same_doc & ((seg_N[None, :] == 0) | (seg_N[None, :] == seg_N[:, None])))[None, None]
 
-
-def docs_from_positions(position_ids_1N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(doc_N, seg_N) of a row packed without shared prompts: a sample starts where its position id is 0."""
-    doc_N = (position_ids_1N[0] == 0).long().cumsum(0)
-    return doc_N, torch.zeros_like(doc_N)

@@ -33,10 +33,10 @@ PACK_ALIGN = 128  # flex attention's default block size
 class Packed:
     """One micro-batch packed into a row. N = packed tokens + alignment pad, M = response tokens.
 
-    doc_N / seg_N say who may attend to whom (`attend_N`): a query sees the earlier keys of its own doc whose
-    segment is 0 (the doc's prompt) or its own. Without prompt sharing every sample is a doc and every segment is
-    0 (same-sample causal); with it a doc is one prompt followed by the responses of every sample that has that
-    prompt, each response its own segment."""
+    doc_N / seg_N say who may attend to whom (models/decoder.py `packed_mask`): a query sees the earlier keys
+    of its own doc whose segment is 0 (the doc's prompt) or its own. A doc is one sample, or with shared prompts
+    one prompt followed by the responses of the samples that have it; prompts are segment 0, each response its
+    own segment."""
 
     input_ids_1N: torch.Tensor
     position_ids_1N: torch.Tensor
@@ -44,8 +44,8 @@ class Packed:
     targets_M: torch.Tensor      # [M] the response tokens
     response_keep_BR: torch.Tensor  # [B, R] bool, True at the M response tokens (row-major order)
     real_tokens: int             # tokens the forward computes, alignment pad excluded
-    doc_N: torch.Tensor | None = None  # [N] doc id; None = derive from positions (a sample starts at position 0)
-    seg_N: torch.Tensor | None = None  # [N] 0 = the doc's shared prompt, else the response's own id
+    doc_N: torch.Tensor          # [N] doc id: a sample, or a shared prompt and its samples' responses
+    seg_N: torch.Tensor          # [N] 0 = the doc's prompt, else the response's own id
 
 
 def same_prompt_as_previous(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> torch.Tensor:

@@ -48,10 +48,11 @@ class RewardScorer:
         ids, mask = batch["responses"].tolist(), batch["response_mask"].tolist()
         return batch_decode(self.tokenizer, [list(compress(r, m)) for r, m in zip(ids, mask)])
 
-    def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def score(self, batch: Batch, texts: list[str] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scores and failure counts of the batch's responses; `texts`: their decode when the caller has it."""
         if self.from_env:
             return batch["env_reward"].float(), {}
-        texts = self.decode(batch)
+        texts = self.decode(batch) if texts is None else texts
         args = (texts, list(batch["ground_truth"]), list(batch["data_source"]), list(batch["extra_info"]))
         if self.remote is not None:  # prompts too: the server may host a reward model (serve-reward --model)
             result = self.remote.score_result(*args, prompts=_jsonable(batch["raw_prompt"]))

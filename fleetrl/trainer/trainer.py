@@ -140,9 +140,11 @@ class Trainer:
 
     def score(self, batch: Batch) -> Batch:
         with self._timed("score"):
-            scores, stats = self.scorer.score(batch)
+            # Decoded once when a reward model reads the texts too (256 x 256 tokens: ~30 ms on 2 cores).
+            texts = self.scorer.decode(batch) if self.rm is not None else None
+            scores, stats = self.scorer.score(batch, texts)
             if self.rm is not None:  # the reward_model role's scores, combined per data_source (trainer/rm.py)
-                scores = self.rm.score(batch, scores, self.scorer.decode(batch), self.group("reward_model"), stats)
+                scores = self.rm.score(batch, scores, texts, self.group("reward_model"), stats)
             o = self.cfg.algorithm.overlong
             if o.buffer:  # DAPO soft overlong punishment, part of the score every later phase sees
                 penalty = overlong_penalty(batch["response_mask"].sum(1), max_len=self.cfg.rollout.max_new_tokens,

@@ -12,7 +12,6 @@ from fleetrl.models.decoder import (
     NativeDecoder,
     NativeForwardError,
     decoder_layer,
-    docs_from_positions,
     packed_mask,
     rope_cos_sin,
 )
@@ -197,8 +196,8 @@ def test_bucket_length_quarter_octaves():
 
 
 def test_packed_mask_keeps_samples_apart():
-    # positions 0 1 0 1 2: samples {0,1} and {2,3,4}; query 3 sees keys 2, 3 only.
-    mask = packed_mask(*docs_from_positions(torch.tensor([[0, 1, 0, 1, 2]])))[0, 0]
+    # samples {0,1} and {2,3,4} (docs 0 and 1, no shared prompt); query 3 sees keys 2, 3 only.
+    mask = packed_mask(torch.tensor([0, 0, 1, 1, 1]), torch.zeros(5, dtype=torch.long))[0, 0]
     assert mask[3].tolist() == [False, False, True, True, False]
     assert mask[1].tolist() == [True, True, False, False, False]
 
