@@ -163,7 +163,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.wait()
+    try:  # SIGKILL ends it at once; one stuck in the kernel (D state) is left to the OS rather than waited on
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _read_capped(path: str, cap: int, tail: bool = False) -> tuple[str, bool]:
