@@ -12,9 +12,9 @@ torch.set_num_threads(1)
 
 # The most expensive modules, costliest first (seconds on the 2-core CI VM at -n 3: `--durations` of the CI runs of
 # 2026-11-23). CI runs `-n 3 --dist loadfile` with `--no-loadscope-reorder` (pyproject addopts), so xdist hands
-# out whole modules in the order below. Its default order (most tests first) ran these one-to-four-test modules
-# last, where one of them alone (SmolLM2, ~250 s) kept the run going after the other workers had finished;
-# starting the longest first (LPT) lets the many short modules fill in around them.
+# out whole modules in the order below. Its default order (most tests first) starts these one-to-four-test
+# modules last (SmolLM2, ~250 s, was 121st of 123), so one of them can still be running when the other workers
+# have nothing left; starting the longest first (LPT) lets the many short modules fill in around them.
 LONGEST_FIRST = (
     "tests/integration/test_netns_hosts.py",         # ~400: 4 runs, each with its own 2-host Ray cluster
     "tests/sweep/test_sweep_e2e.py",                 # ~280: sweeps of CLI subprocesses
