@@ -165,7 +165,7 @@ class DecoderForward:
 
     def _decode_triton(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
                        pos: torch.Tensor) -> torch.Tensor:
-        """Same math as `decode`, with RMSNorm+residual, RoPE+cache write, attention and SiLU*up fused."""
+        """Same math as `decode`, with RMSNorm+residual, RoPE+cache write+attention and SiLU*up fused."""
         kn, s, w = self.kernels, self.spec, self.weights()
         x = F.embedding(tokens, w.embed)  # residual stream, updated in place by add_rmsnorm
         h = torch.empty_like(x)
@@ -176,8 +176,7 @@ class DecoderForward:
                 q, k, v = _qkv(h, lw, s)
             else:
                 q, k, v = self._linears(h, (lw.wq, lw.bq), (lw.wk, lw.bk), (lw.wv, lw.bv))
-            kn.rope_cache_write(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s)
-            o = kn.decode_attention(q, k_cache[layer], v_cache[layer], pos, s, self.scale)
+            o = kn.decode_attention(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s, self.scale)
             kn.add_rmsnorm(x, F.linear(o, lw.wo, lw.bo), lw.ln2, s.rms_eps, h)
             if lw.wgu is not None:
                 gate, up = F.linear(h, lw.wgu, lw.bgu).chunk(2, dim=-1)

@@ -1,13 +1,14 @@
 """Fused Triton kernels for the CUDA decode step (import only where `triton` is installed).
 
 Why: a decode step is ~40 tiny torch ops per layer; inside a CUDA graph each still costs a few microseconds,
-which for a 0.5B model at batch 256 is more than the weight and KV reads themselves. These five fusions cut a
-layer to ~13 launches, and the attention kernel reads each slot's KV only up to its own length.
+which for a 0.5B model at batch 256 is more than the weight and KV reads themselves. These fusions cut a
+layer to 8 launches (with the fused q/k/v and gate/up copies), and the attention kernel reads each slot's KV only
+up to its own length.
 
   add_rmsnorm       x += delta (model dtype, as HF's residual add), y = RMSNorm(x) * w
-  rope_cache_write  RoPE on q (in place) and k, k/v written into the cache at each slot's position
-  decode_attention  split-K "flash-decoding" (Dao et al., 2023, https://crfm.stanford.edu/2023/10/12/flashdecoding.html):
-                    grid (slot x kv_head, split); the G query heads of one KV head are the rows of one tile,
+  decode_attention  RoPE on the new q and k and k/v written into the cache at each slot's position (by the one
+                    program whose span holds it, before its reads), then split-K "flash-decoding" (Dao et al., 2023,
+                    https://crfm.stanford.edu/2023/10/12/flashdecoding.html): grid (slot x kv_head, split); the G query heads of one KV head are the rows of one tile,
                     so K/V are read once per KV head (GQA); a second kernel merges the splits' softmax states
                     (skipped when the batch alone fills the GPU and one split covers the cache)
   silu_mul          silu(gate) * up
@@ -49,55 +50,42 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.c
 
 
 @triton.jit
-def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, s_slot, s_head, s_pos,
-                       s_q, s_kv, H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
-                       HALF: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + b)
-    d = tl.arange(0, HALF)[None, :]
-    c = tl.load(cos_ptr + pos * 2 * HALF + d).to(tl.float32)
-    s = tl.load(sin_ptr + pos * 2 * HALF + d).to(tl.float32)
-    hq = tl.arange(0, H_PAD)[:, None]
-    mq = hq < H
-    qp = q_ptr + b * s_q + hq * 2 * HALF + d
-    q1 = tl.load(qp, mask=mq, other=0.0).to(tl.float32)
-    q2 = tl.load(qp + HALF, mask=mq, other=0.0).to(tl.float32)
-    tl.store(qp, (q1 * c - q2 * s).to(q_ptr.dtype.element_ty), mask=mq)
-    tl.store(qp + HALF, (q2 * c + q1 * s).to(q_ptr.dtype.element_ty), mask=mq)
-    hk = tl.arange(0, KVH_PAD)[:, None]
-    mk = hk < KVH
-    kp = k_ptr + b * s_kv + hk * 2 * HALF + d
-    vp = v_ptr + b * s_kv + hk * 2 * HALF + d
-    k1 = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
-    k2 = tl.load(kp + HALF, mask=mk, other=0.0).to(tl.float32)
-    dst = b * s_slot + hk * s_head + pos * s_pos + d
-    tl.store(kc_ptr + dst, (k1 * c - k2 * s).to(kc_ptr.dtype.element_ty), mask=mk)
-    tl.store(kc_ptr + dst + HALF, (k2 * c + k1 * s).to(kc_ptr.dtype.element_ty), mask=mk)
-    tl.store(vc_ptr + dst, tl.load(vp, mask=mk, other=0.0), mask=mk)
-    tl.store(vc_ptr + dst + HALF, tl.load(vp + HALF, mask=mk, other=0.0), mask=mk)
-
-
-@triton.jit
-def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, out_ptr, scale, s_slot, s_head,
-                        s_pos, s_q, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                        D: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                        IEEE: tl.constexpr):
+def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
+                        out_ptr, scale, s_slot, s_head, s_pos, s_q, s_kv, H: tl.constexpr, KVH: tl.constexpr,
+                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // KVH).to(tl.int64)
     kh = pid % KVH
-    length = (tl.load(pos_ptr + b) + 1).to(tl.int32)
+    pos = tl.load(pos_ptr + b)
+    length = (pos + 1).to(tl.int32)
     start = split * SPLIT
     end = tl.minimum(start + SPLIT, length)
     g = tl.arange(0, G_PAD)
     gmask = g < G
     d = tl.arange(0, D)
     heads = kh * G + g
-    q = tl.load(q_ptr + b * s_q + heads[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+    # RoPE as HF: x * cos + rotate_half(x) * sin, in fp32, rounded to the model dtype (cos/sin rows hold the
+    # half-width frequencies twice, so column d and d + D/2 share one angle)
+    c = tl.load(cos_ptr + pos * D + d).to(tl.float32)
+    sn = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    swap = (d + D // 2) % D
+    qp = q_ptr + b * s_q + heads[:, None] * D
+    q = (tl.load(qp + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * c[None, :]
+         + sign[None, :] * tl.load(qp + swap[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * sn[None, :])
+    q = q.to(q_ptr.dtype.element_ty)
+    base = b * s_slot + kh * s_head
+    if (start <= pos) & (pos < start + SPLIT):  # the one program of this head whose span holds the new token
+        kp = k_ptr + b * s_kv + kh * D
+        k_new = tl.load(kp + d).to(tl.float32) * c + sign * tl.load(kp + swap).to(tl.float32) * sn
+        tl.store(kc_ptr + base + pos * s_pos + d, k_new.to(kc_ptr.dtype.element_ty))
+        tl.store(vc_ptr + base + pos * s_pos + d, tl.load(v_ptr + b * s_kv + kh * D + d))
+    tl.debug_barrier()  # the block's cache writes are visible to all its threads before the loop reads them
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    base = b * s_slot + kh * s_head
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
@@ -274,15 +262,6 @@ class TritonKernels:
         _add_rmsnorm_kernel[(n,)](x, x if delta is None else delta, w, out, hidden, eps,
                                   HAS_DELTA=delta is not None, BLOCK=_pow2(hidden), num_warps=4)
 
-    def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                         spec: DecoderSpec) -> None:
-        # q, k, v may be column views of one fused GEMM output: rows are strided, each row's heads contiguous
-        assert q.stride(1) == k.stride(1) == v.stride(1) == 1 and k.stride(0) == v.stride(0)
-        _rope_cache_kernel[(q.shape[0],)](q, k, v, cos, sin, pos, kc, vc, kc.stride(0), kc.stride(1), kc.stride(2),
-                                          q.stride(0), k.stride(0), H=spec.num_heads, KVH=spec.num_kv_heads, H_PAD=_pow2(spec.num_heads),
-                                          KVH_PAD=_pow2(spec.num_kv_heads), HALF=spec.head_dim // 2, num_warps=2)
-
     def attention_splits(self, nb: int, kv_heads: int, max_len: int) -> tuple[int, int]:
         """(splits, positions per split): split the cache span only as much as needed to give every SM about
         two programs; at large batch that is one split, and the merge kernel is skipped."""
@@ -290,8 +269,14 @@ class TritonKernels:
         split = triton.cdiv(triton.cdiv(max_len, nsplit), ATTN_BLOCK_N) * ATTN_BLOCK_N
         return triton.cdiv(max_len, split), split
 
-    def decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
-                         spec: DecoderSpec, scale: float) -> torch.Tensor:
+    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: DecoderSpec,
+                         scale: float) -> torch.Tensor:
+        """q [nb, H·d], k, v [nb, KVH·d] of the new tokens (before RoPE; possibly column views of one fused GEMM
+        output: rows strided, each row's heads contiguous) -> attention output [nb, H·d]. RoPE is applied to q
+        and k, and k/v are written into the caches at each slot's position, inside the attention kernel."""
+        assert q.stride(1) == k.stride(1) == v.stride(1) == 1 and k.stride(0) == v.stride(0)
+        assert cos.shape[1] == spec.head_dim and cos.is_contiguous() and sin.is_contiguous()
         nb, max_len = q.shape[0], kc.shape[2]
         nsplit, split = self.attention_splits(nb, spec.num_kv_heads, max_len)
         parts = torch.empty(nb, spec.num_heads, nsplit, spec.head_dim, dtype=torch.float32, device=q.device)
@@ -300,7 +285,8 @@ class TritonKernels:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
         assert q.stride(1) == 1
         _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
-            q, kc, vc, pos, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2), q.stride(0),
+            q, k, v, cos, sin, kc, vc, pos, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2),
+            q.stride(0), k.stride(0),
             H=spec.num_heads, KVH=spec.num_kv_heads, G=spec.group, G_PAD=max(16, _pow2(spec.group)),
             D=spec.head_dim, SPLIT=split, NSPLIT=nsplit, BLOCK_N=ATTN_BLOCK_N,
             IEEE=q.dtype == torch.float32, num_warps=4)
