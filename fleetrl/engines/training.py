@@ -90,15 +90,21 @@ class TrainingEngine:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        # Metrics may be 0-dim device tensors: they are summed on the device and read back once, after the last
+        # backward. A read per micro-batch (float(tensor)) would make the host wait for the GPU to drain before
+        # it could queue the backward, leaving the GPU idle while it does.
+        totals: dict[str, float | torch.Tensor] = {}
+        nonfinite: torch.Tensor | float = 0.0
         scale = self.dist.world_size if self.sharded else 1.0
         for mb in micro_batches:
             heartbeat.beat()
             with self.autocast():
                 loss, metrics = loss_fn(mb)
             (loss * scale).backward()
+            nonfinite = nonfinite + (~torch.isfinite(loss.detach())).float()
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
+                totals[k] = totals.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else float(v))
+        totals = read_back({**totals, "nonfinite_loss": nonfinite})
         if self.dist.active and not self.sharded:
             self._all_reduce_grads()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -176,3 +182,12 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
         except AttributeError:
             continue
     return []
+
+
+def read_back(values: dict[str, float | torch.Tensor]) -> dict[str, float]:
+    """Floats of `values`, its tensors read back from the device in one transfer."""
+    keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in values.items() if k not in keys}
+    if keys:
+        out.update(zip(keys, torch.stack([values[k].float().reshape(()) for k in keys]).tolist()))
+    return out

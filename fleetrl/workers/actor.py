@@ -1,7 +1,6 @@
 """Actor (policy being trained) and reference model, as plain in-process components of a worker."""
 from __future__ import annotations
 
-import math
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -148,14 +147,19 @@ class ActorComponent:
     def _loss(self, mb: Batch, counts: MiniBatchCounts,
               spec: UpdateSpec) -> tuple[torch.Tensor, dict[str, float | Extreme]]:
         algo = self.ctx.cfg.algorithm
-        mb = mb.to(self.ctx.device())
+        forward = self.native or self.packed
+        # Token counts from the host copy (no device read); then an asynchronous copy: from pageable memory
+        # a host-to-device copy first waits for the GPU to drain.
+        slots = (forward.token_slots(mb["prompt_mask"], mb["response_mask"], mb["prompts"]) if forward
+                 else padded_token_slots(mb["prompt_mask"], mb["response_mask"]))
+        has_tokens = bool(mb[spec.loss_mask].any())
+        mb = mb.to(self.ctx.device(), non_blocking=True)
         on_policy = spec.old_logprobs == "current"
         need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here
         args = (self.model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
         # Without an entropy bonus the entropy is a metric only: computed detached, which saves its autograd graph.
         entropy = (True if algo.entropy_coef > 0 else "metric") if need_entropy else False
         kw = dict(temperature=gen_temperature(self.ctx), return_entropy=entropy)
-        forward = self.native or self.packed
         logp, ent = forward(*args, **kw) if forward else sequence_logprobs(
             *args, **kw, chunk_size=self.chunk, share_prompts=self.ctx.cfg.actor.share_prompts and self.chunk is not None)
         mask = mb[spec.loss_mask].float()
@@ -165,50 +169,49 @@ class ActorComponent:
         old = logp.detach().float() if on_policy else mb["old_logprobs"]
         # Metrics are returned as shares of the global mean: the micro-batch's token fraction weights them,
         # so summing over micro-batches and ranks gives the mini-batch mean.
-        share = float(mask.sum()) / max(counts.num_tokens, 1.0)
-        metrics: dict[str, float | Extreme] = {}
+        # Metric values stay 0-dim device tensors (read back once per optimiser step by the engine).
+        share = mask.sum() / max(counts.num_tokens, 1.0)
+        metrics: dict[str, torch.Tensor | float | Extreme] = {}
         is_weights = mb["is_weights"] if spec.is_weights else None
         if spec.correction is not None:  # old = this forward, so pi_old / pi_rollout is known only now
-            is_weights, corr = _in_loss_correction(old, mb["rollout_logprobs"], mask, spec.correction, share)
+            is_weights, corr = _in_loss_correction(old, mb["rollout_logprobs"], mask, spec.correction, share,
+                                                   has_tokens)
             metrics.update(corr)
         loss, m = POLICY_LOSSES.get(algo.policy_loss)(
             logp.float(), old, mb["advantages"], mask, clip_low=algo.clip_low,
             clip_high=algo.clip_high, dual_clip=algo.dual_clip, is_weights_BT=is_weights, **agg)
-        metrics["actor/pg_loss"] = float(loss.detach())
+        metrics["actor/pg_loss"] = loss.detach()
         # Totals (summed over micro-batches and ranks), for padding waste = 1 - real / slots.
-        slots = (forward.token_slots(mb["prompt_mask"], mb["response_mask"], mb["prompts"]) if forward
-                 else padded_token_slots(mb["prompt_mask"], mb["response_mask"]))
         metrics.update({"actor/tokens_real": float(slots[0]), "actor/tokens_slots": float(slots[1])})
-        metrics.update({f"actor/{k}": float(v) * share for k, v in m.items()})
+        metrics.update({f"actor/{k}": (v.detach() if isinstance(v, torch.Tensor) else v) * share for k, v in m.items()})
         if on_policy:  # the recompute pass did not run, so its per-token metrics are measured here
             metrics.update(_rollout_agreement(logp, ent, mb["rollout_logprobs"], mask, share))
         if algo.kl.placement == "loss":
             kl, _ = kl_loss(logp.float(), mb["ref_logprobs"], mask, kind=algo.kl.estimator, **agg)
             loss = loss + spec.kl_coef * kl
-            metrics["actor/kl_loss"] = float(kl.detach())
+            metrics["actor/kl_loss"] = kl.detach()
         if algo.entropy_coef > 0:
             ent_term = entropy_loss(ent.float(), mask, **agg)
             loss = loss - algo.entropy_coef * ent_term
-            metrics["actor/entropy_bonus"] = float(ent_term.detach())
-        if not math.isfinite(float(loss.detach())):
-            metrics["actor/nonfinite_loss"] = 1.0
+            metrics["actor/entropy_bonus"] = ent_term.detach()
         return loss, metrics
 
 
 @torch.no_grad()
 def _rollout_agreement(logp_BT: torch.Tensor, ent_BT: torch.Tensor, rollout_logp_BT: torch.Tensor,
-                       mask_BT: torch.Tensor, share: float) -> dict[str, float | Extreme]:
+                       mask_BT: torch.Tensor, share: torch.Tensor) -> dict[str, torch.Tensor | Extreme]:
     """Entropy and |trainer − rollout| log-prob gap, as shares of the mini-batch mean, and the gap's max (named
     as the controller names them when the recompute pass measures them instead)."""
     tokens = mask_BT.sum().clamp(min=1)
     diff = (logp_BT.float() - rollout_logp_BT).abs() * mask_BT
-    return {"entropy": float((ent_BT.float() * mask_BT).sum() / tokens) * share,
-            "rollout_logprob_diff_mean": float(diff.sum() / tokens) * share,
-            "rollout_logprob_diff_max": Extreme(float(diff.max()), "max")}
+    return {"entropy": (ent_BT.float() * mask_BT).sum() / tokens * share,
+            "rollout_logprob_diff_mean": diff.sum() / tokens * share,
+            "rollout_logprob_diff_max": Extreme(diff.max(), "max")}
 
 
 def _in_loss_correction(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
-                        c: CorrectionSpec, share: float) -> tuple[torch.Tensor, dict[str, float | Extreme]]:
+                        c: CorrectionSpec, share: torch.Tensor,
+                        has_tokens: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor | Extreme]]:
     """The rollout-correction weights [B, T] of one micro-batch and its statistics: means as shares of the
     mini-batch mean, max / min as Extremes (so they reduce to the whole batch's, as the controller's pass gives).
     Per micro-batch equals per batch: token weights are elementwise, and a sequence's weight reads only its own
@@ -216,10 +219,11 @@ def _in_loss_correction(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor
     w_BT, stats = rollout_correction(old_logp_BT, rollout_logp_BT, mask_BT, mode=c.mode, level=c.level, cap=c.cap,
                                      low=c.low, high=c.high)
     means = ("ratio_mean", "weight_mean", "clipped_frac", "masked_frac")
-    out: dict[str, float | Extreme] = {f"rollout_is/{k}": float(stats[f"rollout_is/{k}"]) * share for k in means}
-    if bool(mask_BT.any()):  # no valid token: no max / min to report (the statistic's placeholder is 1)
-        out["rollout_is/ratio_max"] = Extreme(float(stats["rollout_is/ratio_max"]), "max")
-        out["rollout_is/ratio_min"] = Extreme(float(stats["rollout_is/ratio_min"]), "min")
+    out: dict[str, torch.Tensor | Extreme] = {f"rollout_is/{k}": torch.as_tensor(stats[f"rollout_is/{k}"]) * share
+                                              for k in means}
+    if has_tokens:  # no valid token: no max / min to report (the statistic's placeholder is 1)
+        out["rollout_is/ratio_max"] = Extreme(torch.as_tensor(stats["rollout_is/ratio_max"]), "max")
+        out["rollout_is/ratio_min"] = Extreme(torch.as_tensor(stats["rollout_is/ratio_min"]), "min")
     return w_BT, out
 
 

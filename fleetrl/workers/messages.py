@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Mapping, Sequence
 
+import torch
+
 from fleetrl.config.frozen import FrozenDict
 
 OldLogprobs = Literal["recomputed", "current"]
@@ -77,12 +79,20 @@ class UpdateSpec:
 class Extreme:
     """A loss metric combined by max or min (over micro-batches, optimiser steps and ranks), not summed as a share
     of a mean: e.g. the largest importance ratio of the step."""
-    value: float
+    value: float | torch.Tensor
+    """A float, or (inside a worker's update, until `resolved`) a 0-dim device tensor: the update reads its
+    metrics back once per optimiser step, not once per micro-batch (every read waits for the GPU to drain)."""
     op: Literal["max", "min"]
 
     def combine(self, other: "Extreme") -> "Extreme":
         assert self.op == other.op, f"one metric combined by both {self.op} and {other.op}"
+        if isinstance(self.value, torch.Tensor) or isinstance(other.value, torch.Tensor):
+            pick = torch.maximum if self.op == "max" else torch.minimum
+            return Extreme(pick(torch.as_tensor(self.value), torch.as_tensor(other.value)), self.op)
         return Extreme((max if self.op == "max" else min)(self.value, other.value), self.op)
+
+    def resolved(self) -> "Extreme":
+        return Extreme(float(self.value), self.op)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,7 +106,9 @@ class UpdateMetrics:
 
     @staticmethod
     def reduce(per_rank: Sequence["UpdateMetrics"]) -> dict[str, float]:
-        out = {k: float(sum(m.shares[k] for m in per_rank)) for k in per_rank[0].shares}
+        # a share only some ranks report (e.g. nonfinite_loss) counts 0 on the others
+        keys = dict.fromkeys(k for m in per_rank for k in m.shares)
+        out = {k: float(sum(m.shares.get(k, 0.0) for m in per_rank)) for k in keys}
         out.update(per_rank[0].same)
         out.update({k: v.value for k, v in combine_extremes(m.extremes for m in per_rank).items()})
         return out

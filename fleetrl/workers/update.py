@@ -21,7 +21,8 @@ def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs
 
     loss_fn returns (loss, metrics); its metrics carry their final names (the controller only adds `train/`)
     and are shares of global means (summed over micro-batches here and over ranks by the controller), or
-    `Extreme`s (max / min over micro-batches and optimiser steps here, over ranks by the controller). Returns
+    `Extreme`s (max / min over micro-batches and optimiser steps here, over ranks by the controller); values
+    may be 0-dim device tensors, read back once per optimiser step (engine.step) and at the end (extremes). Returns
     the means over optimiser steps, plus `{prefix}/grad_norm` and `/lr` (equal on all ranks) and the count of
     skipped (non-finite) updates. Micro-batches hold `micro_batch_size` samples, or at most `micro_batch_tokens`
     real tokens when that is set (packed forwards; a shared prompt counted once with `share_prompts`); either
@@ -46,5 +47,9 @@ def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs
     steps = len(spec.minis) * epochs
     same = {f"{prefix}/grad_norm": sums.pop("grad_norm") / steps, f"{prefix}/lr": sums.pop("lr") / steps,
             f"{prefix}/skipped_updates": sums.pop("skipped", 0.0)}
+    # micro-batches whose loss was NaN/inf (their update is skipped when the gradient is too), per optimiser step;
+    # reported only when there were any
+    if nonfinite := sums.pop("nonfinite_loss", 0.0):
+        sums[f"{prefix}/nonfinite_loss"] = nonfinite
     shares = {k: v / steps for k, v in sums.items()}
-    return UpdateMetrics.of(shares, same, extremes)
+    return UpdateMetrics.of(shares, same, {k: v.resolved() for k, v in extremes.items()})

@@ -49,13 +49,16 @@ def _in_loss(layout: str, spec: CorrectionSpec) -> tuple[torch.Tensor, dict[str,
     weights, shares, extremes = [], {}, {}
     for mb in LAYOUTS[layout](_batch()):
         mask = mb["response_mask"].float()
-        w, m = _in_loss_correction(mb["old"], mb["rollout_logprobs"], mask, spec, share=float(mask.sum()) / 6)
+        w, m = _in_loss_correction(mb["old"], mb["rollout_logprobs"], mask, spec, share=mask.sum() / 6,
+                                   has_tokens=bool(mask.any()))
         weights.append(pad_response(w, mb.meta["full_response_len"]))
         for k, v in m.items():
             if not isinstance(v, Extreme):
                 shares[k] = shares.get(k, 0.0) + v
         extremes = combine_extremes([extremes, {k: v for k, v in m.items() if isinstance(v, Extreme)}])
-    return torch.cat(weights), {**shares, **{k: v.value for k, v in extremes.items()}}
+    # values are 0-dim tensors until the update reads them back (once per step)
+    return torch.cat(weights), {**{k: float(v) for k, v in shares.items()},
+                                **{k: float(v.value) for k, v in extremes.items()}}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -76,7 +79,8 @@ def test_in_loss_weights_equal_the_whole_batch_correction(layout, mode, level, w
 
 def test_a_micro_batch_without_valid_tokens_reports_no_extremes():
     spec = CorrectionSpec(mode="tis", level="token", cap=2.0, low=0.5, high=5.0)
-    w, m = _in_loss_correction(OLD[:1], torch.zeros(1, 3), torch.zeros(1, 3), spec, share=0.0)
+    w, m = _in_loss_correction(OLD[:1], torch.zeros(1, 3), torch.zeros(1, 3), spec, share=torch.tensor(0.0),
+                               has_tokens=False)
     assert float(w.abs().sum()) == 0.0 and "rollout_is/ratio_max" not in m and "rollout_is/ratio_min" not in m
     assert m["rollout_is/ratio_mean"] == 0.0  # a share of 0 tokens
 

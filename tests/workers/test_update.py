@@ -114,3 +114,29 @@ def test_extremes_combine_by_max_and_min_over_micro_batches_and_steps():
                      micro_batch_size=1, loss_fn=loss, prefix="actor")
     assert dict(out.shares) == {}
     assert dict(out.extremes) == {"actor/v_max": Extreme(7.0, "max"), "actor/v_min": Extreme(1.0, "min")}
+
+
+def test_tensor_metrics_and_extremes_are_read_back_once_per_step_with_the_same_values():
+    """A loss_fn may return 0-dim tensors (the actor does, so no micro-batch waits for the device): the
+    metrics equal the float version's, and a NaN loss is counted under the role's prefix."""
+    engine = _engine()
+    batch = Batch({"v": torch.tensor([1.0, 2.0, 3.0, 4.0])})
+
+    def tensor_loss(mb: Batch, counts: MiniBatchCounts):
+        v = mb["v"]
+        loss = engine.model(v.unsqueeze(-1)).sum() / counts.num_seqs
+        return loss, {"actor/v_share": v.sum() / counts.num_seqs, "actor/v_max": Extreme(v.max(), "max")}
+
+    out = run_update(engine, batch, _spec(2), epochs=1, micro_batch_size=1, loss_fn=tensor_loss, prefix="actor")
+    assert dict(out.shares) == {"actor/v_share": pytest.approx(1.25)}  # (1+2)/4 and (3+4)/4, mean of 2 steps
+    assert out.extremes["actor/v_max"] == Extreme(4.0, "max") and isinstance(out.extremes["actor/v_max"].value, float)
+
+    engine = _engine()
+
+    def nan_once(mb: Batch, counts: MiniBatchCounts):
+        loss, m = tensor_loss(mb, counts)
+        return (loss * float("nan") if float(mb["v"][0]) == 2.0 else loss), m
+
+    out = run_update(engine, batch, _spec(2), epochs=1, micro_batch_size=1, loss_fn=nan_once, prefix="critic")
+    assert out.shares["critic/nonfinite_loss"] == 0.5  # one micro-batch of 4, over 2 optimiser steps
+    assert out.same["critic/skipped_updates"] == 1.0  # its step's gradient was NaN too
