@@ -21,6 +21,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,8 +144,9 @@ def _diagnose(culprits: list[Call], calls: list[Call], verb: str, why: str, wait
     if stall_dir is not None:
         stall_dir.mkdir(parents=True, exist_ok=True)
         top = ""
-        for c in calls:  # every worker of the call: the stuck one, and where its peers wait for it
-            text = dump_stack(c.info)
+        # every worker of the call: the stuck one, and where its peers wait for it; dumped at once, so a frozen
+        # node costs one dump deadline, not one per worker on it
+        for c, text in zip(calls, dump_stacks([c.info for c in calls])):
             (stall_dir / f"{c.pool}_r{c.rank}.txt").write_text(text)
             if c is first:
                 top = " | ".join(_top_frames(text))
@@ -152,6 +154,23 @@ def _diagnose(culprits: list[Call], calls: list[Call], verb: str, why: str, wait
         lines.append(f"full stacks: {stall_dir}/")
     lines.append("the supervisor recovers from the last checkpoint when trainer.max_restarts allows; see docs/hangs.md")
     return "\n".join(lines)
+
+
+def dump_stacks(infos: list[dict], timeout_s: float = 20.0) -> list[str]:
+    """`dump_stack` of every worker concurrently (each waits at most its own deadline); a worker on a node Ray
+    already reports dead is not waited for at all."""
+    dead = _dead_nodes()
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(infos)))) as pool:
+        return list(pool.map(lambda info: (f"node {info.get('ip')} is dead (Ray reports it lost): no stack of pid "
+                                           f"{info.get('pid')}" if info.get("node_id") in dead
+                                           else dump_stack(info, timeout_s)), infos))
+
+
+def _dead_nodes() -> set[str]:
+    try:
+        return {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
+    except Exception:  # noqa: BLE001 — the diagnosis must not fail for want of the node table
+        return set()
 
 
 def dump_stack(info: dict, timeout_s: float = 20.0) -> str:

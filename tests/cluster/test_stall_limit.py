@@ -1,4 +1,5 @@
-"""The stall limit: first calls of a verb get cluster.first_call_stall_s while the worker answers its pings."""
+"""The stall limit (first calls of a verb get cluster.first_call_stall_s while the worker answers its pings), and the
+stall diagnosis's stack dumps."""
 from fleetrl.cluster.watchdog import Deadlines, stall_limit, stall_reason
 from fleetrl.config.schema import ClusterConfig
 
@@ -32,3 +33,28 @@ def test_deadlines_know_a_verb_s_first_call():
     assert d.first("update_actor")
     d.record("update_actor", 2.0)
     assert not d.first("update_actor") and d.first("generate")
+
+
+def test_stacks_are_dumped_at_once_and_a_dead_node_is_not_waited_for(monkeypatch):
+    """A stall's diagnosis dumps every worker of the call: concurrently (a frozen node costs one dump deadline,
+    not one per worker on it), and not at all on a node Ray already reports dead."""
+    import time
+
+    from fleetrl.cluster import watchdog
+
+    calls = []
+
+    def slow_dump(info, timeout_s):
+        calls.append(info["pid"])
+        time.sleep(0.5)
+        return f"stack of {info['pid']}"
+
+    monkeypatch.setattr(watchdog, "dump_stack", slow_dump)
+    monkeypatch.setattr(watchdog, "_dead_nodes", lambda: {"gone"})
+    infos = [{"pid": p, "node_id": "a", "ip": "10.0.0.1"} for p in (1, 2, 3, 4)]
+    infos.append({"pid": 5, "node_id": "gone", "ip": "10.0.0.2"})
+    start = time.monotonic()
+    out = watchdog.dump_stacks(infos)
+    assert time.monotonic() - start < 1.5  # four 0.5 s dumps side by side, not 2 s in a row
+    assert out[:4] == [f"stack of {p}" for p in (1, 2, 3, 4)] and sorted(calls) == [1, 2, 3, 4]
+    assert out[4] == "node 10.0.0.2 is dead (Ray reports it lost): no stack of pid 5"
