@@ -80,8 +80,8 @@ class Extreme:
     """A loss metric combined by max or min (over micro-batches, optimiser steps and ranks), not summed as a share
     of a mean: e.g. the largest importance ratio of the step."""
     value: float | torch.Tensor
-    """A float, or (inside a worker's update, until `resolved`) a 0-dim device tensor: the update reads its
-    metrics back once per optimiser step, not once per micro-batch (every read waits for the GPU to drain)."""
+    """A float, or (inside a worker's update, until run_update reads it back) a 0-dim device tensor: the update
+    reads its metrics back once, not once per micro-batch (every read waits for the GPU to drain)."""
     op: Literal["max", "min"]
 
     def combine(self, other: "Extreme") -> "Extreme":
@@ -90,9 +90,6 @@ class Extreme:
             pick = torch.maximum if self.op == "max" else torch.minimum
             return Extreme(pick(torch.as_tensor(self.value), torch.as_tensor(other.value)), self.op)
         return Extreme((max if self.op == "max" else min)(self.value, other.value), self.op)
-
-    def resolved(self) -> "Extreme":
-        return Extreme(float(self.value), self.op)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,7 +6,7 @@ from typing import Callable
 import torch
 
 from fleetrl.batch import Batch
-from fleetrl.engines.training import TrainingEngine
+from fleetrl.engines.training import TrainingEngine, read_back
 from fleetrl.workers.layout import rank_minis, update_micro_batches
 from fleetrl.workers.messages import Extreme, MiniBatchCounts, UpdateMetrics, UpdateSpec, combine_extremes
 
@@ -22,7 +22,7 @@ def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs
     loss_fn returns (loss, metrics); its metrics carry their final names (the controller only adds `train/`)
     and are shares of global means (summed over micro-batches here and over ranks by the controller), or
     `Extreme`s (max / min over micro-batches and optimiser steps here, over ranks by the controller); values
-    may be 0-dim device tensors, read back once per optimiser step (engine.step) and at the end (extremes). Returns
+    may be 0-dim device tensors, read back once per optimiser step (engine.step) and once at the end (extremes). Returns
     the means over optimiser steps, plus `{prefix}/grad_norm` and `/lr` (equal on all ranks) and the count of
     skipped (non-finite) updates. Micro-batches hold `micro_batch_size` samples, or at most `micro_batch_tokens`
     real tokens when that is set (packed forwards; a shared prompt counted once with `share_prompts`); either
@@ -52,4 +52,5 @@ def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs
     if nonfinite := sums.pop("nonfinite_loss", 0.0):
         sums[f"{prefix}/nonfinite_loss"] = nonfinite
     shares = {k: v / steps for k, v in sums.items()}
-    return UpdateMetrics.of(shares, same, {k: v.resolved() for k, v in extremes.items()})
+    values = read_back({k: e.value for k, e in extremes.items()})  # one transfer for all of them
+    return UpdateMetrics.of(shares, same, {k: Extreme(values[k], e.op) for k, e in extremes.items()})
