@@ -152,7 +152,7 @@ class ActorComponent:
         # a host-to-device copy first waits for the GPU to drain.
         slots = (forward.token_slots(mb["prompt_mask"], mb["response_mask"], mb["prompts"]) if forward
                  else padded_token_slots(mb["prompt_mask"], mb["response_mask"]))
-        has_tokens = bool(mb[spec.loss_mask].any())
+        host_mask = mb[spec.loss_mask]
         mb = mb.to(self.ctx.device(), non_blocking=True)
         on_policy = spec.old_logprobs == "current"
         need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here
@@ -175,7 +175,7 @@ class ActorComponent:
         is_weights = mb["is_weights"] if spec.is_weights else None
         if spec.correction is not None:  # old = this forward, so pi_old / pi_rollout is known only now
             is_weights, corr = _in_loss_correction(old, mb["rollout_logprobs"], mask, spec.correction, share,
-                                                   has_tokens)
+                                                   has_tokens=bool(host_mask.any()))
             metrics.update(corr)
         loss, m = POLICY_LOSSES.get(algo.policy_loss)(
             logp.float(), old, mb["advantages"], mask, clip_low=algo.clip_low,
