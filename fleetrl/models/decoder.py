@@ -175,4 +175,3 @@ def packed_mask(doc_N: torch.Tensor, seg_N: torch.Tensor, kind: str = "dense", m
     idx = torch.arange(N, device=doc_N.device)
     same_doc = (doc_N[:, None] == doc_N[None, :]) & (idx[None, :] <= idx[:, None])
     return (same_doc & ((seg_N[None, :] == 0) | (seg_N[None, :] == seg_N[:, None])))[None, None]
-

@@ -8,9 +8,10 @@ up to its own length.
   add_rmsnorm       x += delta (model dtype, as HF's residual add), y = RMSNorm(x) * w
   decode_attention  RoPE on the new q and k and k/v written into the cache at each slot's position (by the one
                     program whose span holds it, before its reads), then split-K "flash-decoding" (Dao et al., 2023,
-                    https://crfm.stanford.edu/2023/10/12/flashdecoding.html): grid (slot x kv_head, split); the G query heads of one KV head are the rows of one tile,
-                    so K/V are read once per KV head (GQA); a second kernel merges the splits' softmax states
-                    (skipped when the batch alone fills the GPU and one split covers the cache)
+                    https://crfm.stanford.edu/2023/10/12/flashdecoding.html): grid (slot x kv_head, split); the
+                    G query heads of one KV head are the rows of one tile, so K/V are read once per KV head (GQA);
+                    a second kernel merges the splits' softmax states (skipped when the batch alone fills the GPU
+                    and one split covers the cache)
   silu_mul          silu(gate) * up
   sample            pass 1 reads the logits once (per block: max, sum of exp); pass 2 per row: log-sum-exp, then
                     the token in two exact stages (sampling.py): a block by inverse CDF over the block masses
@@ -283,7 +284,6 @@ class TritonKernels:
         m = torch.empty(nb, spec.num_heads, nsplit, dtype=torch.float32, device=q.device)
         lsum = torch.empty_like(m)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
-        assert q.stride(1) == 1
         _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
             q, k, v, cos, sin, kc, vc, pos, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2),
             q.stride(0), k.stride(0),
