@@ -160,10 +160,14 @@ def dump_stacks(infos: list[dict], timeout_s: float = 20.0) -> list[str]:
     """`dump_stack` of every worker concurrently (each waits at most its own deadline); a worker on a node Ray
     already reports dead is not waited for at all."""
     dead = _dead_nodes()
+
+    def one(info: dict) -> str:
+        if info.get("node_id") in dead:
+            return f"node {info.get('ip')} is dead (Ray reports it lost): no stack of pid {info.get('pid')}"
+        return dump_stack(info, timeout_s)
+
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(infos)))) as pool:
-        return list(pool.map(lambda info: (f"node {info.get('ip')} is dead (Ray reports it lost): no stack of pid "
-                                           f"{info.get('pid')}" if info.get("node_id") in dead
-                                           else dump_stack(info, timeout_s)), infos))
+        return list(pool.map(one, infos))
 
 
 def _dead_nodes() -> set[str]:
