@@ -38,24 +38,28 @@ from fleetrl.engines.fast import FastRolloutEngine  # noqa: E402
 from fleetrl.engines.protocol import SamplingParams  # noqa: E402
 
 
-def roofline(model: torch.nn.Module, dtype: torch.dtype, batch: int, prompt: int, new: int) -> tuple[float, float]:
-    """(bytes, matmul FLOPs) of the N-1 decode steps of one call."""
+def roofline(model: torch.nn.Module, dtype: torch.dtype, batch: int, prompt: int, new: int,
+             group: int = 1) -> tuple[float, float]:
+    """(bytes, matmul FLOPs) of the N-1 decode steps of one call. group > 1 (GRPO's samples per prompt): a
+    prompt's cached rows are read once per group, as the engine's decode reads them at the group's leader."""
     weights = matmul_params(model) * torch.finfo(dtype).bits // 8
     positions = sum(prompt + t for t in range(1, new))
-    nbytes = (new - 1) * weights + batch * kv_bytes_per_token(model, dtype) * positions
+    kv_positions = batch * sum(range(1, new)) + batch // group * prompt * (new - 1)
+    nbytes = (new - 1) * weights + kv_bytes_per_token(model, dtype) * kv_positions
     cfg = model.config
     attn = 4 * cfg.num_hidden_layers * cfg.hidden_size * batch * positions  # q.k and p.v
     return float(nbytes), float(2 * matmul_params(model) * batch * (new - 1) + attn)
 
 
-def prompts_for(batch: int, prompt: int, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def prompts_for(batch: int, prompt: int, vocab: int, device: str, group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """batch // group random prompts, each repeated `group` times in a row (GRPO's samples of a prompt)."""
     g = torch.Generator().manual_seed(batch * 7 + prompt)
-    ids = torch.randint(0, vocab, (batch, prompt), generator=g).to(device)
+    ids = torch.randint(0, vocab, (batch // group, prompt), generator=g).repeat_interleave(group, 0).to(device)
     return ids, torch.ones_like(ids)
 
 
 def run_fast(model, args, batch: int, new: int, eng: FastRolloutEngine) -> tuple[float, float]:
-    ids, mask = prompts_for(batch, args.prompt_len, model.config.vocab_size, args.device)
+    ids, mask = prompts_for(batch, args.prompt_len, model.config.vocab_size, args.device, args.group)
     # Warm-up at the timed length: the KV cache is sized per call, so a shorter warm-up left its growth (and
     # the re-capture of the graphs that read it) inside the timed call (the first row of each shape, 2026-11-23).
     eng.generate(ids, mask, SamplingParams(max_new_tokens=new, temperature=1.0, seed=0))
@@ -65,7 +69,7 @@ def run_fast(model, args, batch: int, new: int, eng: FastRolloutEngine) -> tuple
 
 
 def run_hf(model, args, batch: int, new: int) -> tuple[float, float]:
-    ids, mask = prompts_for(batch, args.prompt_len, model.config.vocab_size, args.device)
+    ids, mask = prompts_for(batch, args.prompt_len, model.config.vocab_size, args.device, args.group)
     kw = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
     model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
     total = wall_time(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw), args.device)
@@ -87,9 +91,11 @@ def bench(args, ceilings: dict, save) -> list[dict]:
             for batch in args.batches:
                 for new in args.new_tokens:
                     total, first = run_fast(model, args, batch, new, eng) if eng else run_hf(model, args, batch, new)
-                    nbytes, flops = roofline(model, dtype, batch, args.prompt_len, new)
+                    nbytes, flops = roofline(model, dtype, batch, args.prompt_len, new,
+                                             args.group if engine == "fast" else 1)
                     decode_s = max(total - first, 1e-9)
-                    row = dict(shape=shape, engine=engine, fuse=args.fuse, batch=batch, new_tokens=new, seconds=total,
+                    row = dict(shape=shape, engine=engine, fuse=args.fuse, batch=batch, group=args.group,
+                               new_tokens=new, seconds=total,
                                tokens_per_s=batch * new / total, decode_s=decode_s,
                                step_ms=1e3 * decode_s / (new - 1), roofline_s=nbytes / ceilings["copy_Bps"],
                                compute_floor_s=flops / (ceilings["matmul_tflops"] * 1e12),
@@ -304,6 +310,8 @@ def main() -> None:
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256])
     p.add_argument("--new-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024])
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--group", type=int, default=1, help="samples per prompt (GRPO's n): the fast engine reads a "
+                   "prompt's cache rows once per group, and its roofline counts them so; HF's counts every row")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kernels", default="auto")
     p.add_argument("--fuse", default="auto", choices=("auto", "on", "off"),

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,7 @@ def main() -> None:
         raise SystemExit("--lengths longtail needs --gpus 1 (the stop rule patches the in-process rollout worker)")
     if args.profile_step:
         profile_update(args.profile_step, Path(args.out) / f"e2e_update_profile{args.tag}.txt")
+        profile_generate(args.profile_step, Path(args.out) / f"e2e_generate_profile{args.tag}.txt")
     t0 = time.time()
     run_plan(plan, run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -86,11 +88,25 @@ def main() -> None:
 def profile_update(step: int, out: Path) -> None:
     """Wraps the in-process actor's update: its `step`-th call runs under the torch profiler, and the CUDA kernel
     time is written to `out`, grouped by kind (GEMM, attention, fused/elementwise, optimiser, copies) and by name."""
-    from torch.profiler import ProfilerActivity, profile
 
     import fleetrl.workers.actor as actor_mod
 
-    inner, calls = actor_mod.run_update, [0]
+    actor_mod.run_update = profiled(actor_mod.run_update, step, out)
+
+
+def profile_generate(step: int, out: Path) -> None:
+    """The same for the rollout component's `step`-th generate call (decode, prefill and the host work around)."""
+    import fleetrl.workers.rollout as rollout_mod
+
+    cls = rollout_mod.RolloutComponent
+    cls.generate = profiled(cls.generate, step, out)
+
+
+def profiled(inner, step: int, out: Path):  # noqa: ANN001, ANN201
+    """`inner` whose `step`-th call runs under the torch profiler: kernel time, GPU idle gaps, a chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    calls = [0]
 
     def wrapped(*a, **k):  # noqa: ANN002, ANN003, ANN202
         calls[0] += 1
@@ -99,11 +115,14 @@ def profile_update(step: int, out: Path) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             result = inner(*a, **k)
             torch.cuda.synchronize()
-        out.write_text(kernel_report(prof))
-        print(out.read_text()[:3000])
+        out.write_text(kernel_report(prof) + idle_report(prof))
+        trace = out.with_suffix(".trace.json")
+        prof.export_chrome_trace(str(trace))  # for the host-side gaps: read it in chrome://tracing or Perfetto
+        subprocess.run(["gzip", "-f", str(trace)], check=False)
+        print(out.read_text()[:4000])
         return result
 
-    actor_mod.run_update = wrapped
+    return wrapped
 
 
 KERNEL_KINDS = (("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "matmul")),
@@ -125,6 +144,32 @@ def kernel_report(prof) -> str:  # noqa: ANN001
     lines.append("top kernels (ms, launches, name):")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]:
         lines.append(f"  {e.self_device_time_total / 1e3:9.2f} {e.count:6d}  {e.key[:140]}")
+    return "\n".join(lines) + "\n"
+
+
+def idle_report(prof) -> str:  # noqa: ANN001
+    """How long the GPU sat idle during the profiled update, and its 15 longest gaps with the host op that was
+    running when each began: where the host, not the GPU, set the pace."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    host = [e for e in prof.events() if e.device_type.name == "CPU"]
+    if not kernels or not host:
+        return "no kernels or host events recorded\n"
+    t0, t1 = min(e.time_range.start for e in host), max(e.time_range.end for e in host)
+    gaps, end = [], kernels[0][0]
+    gaps.append((kernels[0][0] - t0, t0))
+    for s, e in kernels:
+        if s > end:
+            gaps.append((s - end, end))
+        end = max(end, e)
+    gaps.append((t1 - end, end))
+    idle = sum(g for g, _ in gaps)
+    lines = [f"host window {(t1 - t0) / 1e3:.1f} ms, GPU idle {idle / 1e3:.1f} ms in {len(gaps)} gaps; longest:"]
+    for g, at in sorted(gaps, reverse=True)[:15]:
+        running = [e for e in host if e.time_range.start <= at < e.time_range.end]
+        name = min(running, key=lambda e: e.time_range.end - e.time_range.start).name if running else "?"
+        outer = max(running, key=lambda e: e.time_range.end - e.time_range.start).name if running else "?"
+        lines.append(f"  {g / 1e3:8.2f} ms at +{(at - t0) / 1e3:8.1f} ms  innermost {name[:70]}  outermost {outer[:50]}")
     return "\n".join(lines) + "\n"
 
 

@@ -94,10 +94,18 @@ def _pad_index(index_K: torch.Tensor) -> torch.Tensor:
 def attend(q_1HNQ: torch.Tensor, k_1GNQ: torch.Tensor, v_1GNQ: torch.Tensor, seg: VarlenSegments) -> torch.Tensor:
     """[1, H, N, Q] attention output of a packed row's queries over their segments' keys (G KV heads)."""
     q_NHQ = q_1HNQ[0].transpose(0, 1)
-    k_KGQ = k_1GNQ[0].transpose(0, 1).index_select(0, seg.kv_index)
-    v_KGQ = v_1GNQ[0].transpose(0, 1).index_select(0, seg.kv_index)
+    k_KGQ = _gather_rows(k_1GNQ[0].transpose(0, 1), seg.kv_index)
+    v_KGQ = _gather_rows(v_1GNQ[0].transpose(0, 1), seg.kv_index)
     run = _kernel if q_NHQ.is_cuda and varlen_attn is not None else _reference
     return run(q_NHQ, k_KGQ, v_KGQ, seg).transpose(0, 1)[None]
+
+
+def _gather_rows(x_N: torch.Tensor, index_K: torch.Tensor) -> torch.Tensor:
+    """x_N[index_K] along dim 0, through an fp32 copy. Why: a prompt's rows are gathered once per response, so the
+    backward sums repeated rows with atomic adds, which CUDA does natively in fp32 but by compare-and-swap loops in
+    bf16 (measured on an H200: 21 ms of a 444 ms update). The forward is exact either way; the backward now rounds
+    each row's sum once instead of after every add."""
+    return x_N.float().index_select(0, index_K).to(x_N.dtype)
 
 
 def _kernel(q_NHQ: torch.Tensor, k_KGQ: torch.Tensor, v_KGQ: torch.Tensor, seg: VarlenSegments) -> torch.Tensor:

@@ -37,10 +37,12 @@ class WorkerContext:
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
-        if self.device().type == "cpu":
-            # The worker's whole-CPU share (Plan), not torch's default of every core: several workers on one
-            # machine must not thrash, and a worker given 2 CPUs must use both.
-            torch.set_num_threads(self.pool_plan.cpu_threads)
+        # The worker's whole-CPU share (Plan), not torch's default of every core: several workers on one machine
+        # must not thrash, and a worker given 2 CPUs must use both. GPU workers too: their host ops are small
+        # (batch indexing, packing), and with one OpenMP thread per core each op's barrier waits for any thread
+        # another process has preempted: measured on an H200 host, aten::index on a 256-row batch took 8 ms
+        # instead of 0.02 ms in such runs, 170 ms before the update's first kernel (bench/RESULTS.md).
+        torch.set_num_threads(self.pool_plan.cpu_threads)
 
 
 def dtype_of(name: str) -> torch.dtype:

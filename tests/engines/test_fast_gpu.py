@@ -58,6 +58,23 @@ def test_per_sample_limits_with_graphs_keep_the_unlimited_prefix() -> None:
         assert torch.equal(limited.responses[i, :n], free.responses[i, :n]), f"sample {i}"
 
 
+def test_samples_of_a_prompt_read_its_rows_at_the_leader_until_it_stops() -> None:
+    """Followers read the prompt's cache rows at their group's leader slot (triton_kernels.decode_attention).
+    Leaders stop first (limits 1-2) and, with 4 slots, their slots are refilled with other prompts while the
+    followers still decode: a follower still reading there would go wrong against HF's greedy tokens."""
+    ids, mask = left_padded([3, 9, 6])
+    index = [0, 0, 0, 1, 1, 2, 2, 2]
+    ids, mask = ids[index], mask[index]
+    limits = torch.tensor([1, 7, 5, 2, 7, 1, 7, 6])
+    model = tiny_model("llama")
+    ref = hf_greedy(model, ids, mask, 7, None)
+    eng = _cuda_engine(model, max_batch=4, sync_every=1)
+    out = eng.generate(ids.cuda(), mask.cuda(), SamplingParams(max_new_tokens=7, temperature=0.0,
+                                                               max_new_tokens_per_sample=limits))
+    for i, n in enumerate(limits.tolist()):
+        assert torch.equal(out.responses[i, :n].cpu(), ref[i, :n].cpu()), f"sample {i}"
+
+
 def test_fused_copies_follow_new_weights_on_cuda() -> None:
     ids, mask = left_padded([5, 8])
     params = SamplingParams(max_new_tokens=10, temperature=0.0)

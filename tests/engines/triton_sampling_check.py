@@ -53,6 +53,22 @@ def check_fused_decode() -> None:
         for out in outs[1:]:
             assert torch.equal(out.responses, outs[0].responses), arch
             assert float((out.logprobs - outs[0].logprobs).abs().max()) < 1e-5, arch
+    check_shared_prefix_reads()
+
+
+def check_shared_prefix_reads() -> None:
+    """Samples of one prompt read its cache rows at the leader slot; leaders stop first (limits 1-2) and their
+    slots are refilled (4 slots, 8 samples) while followers decode: the Triton decode must equal the torch one,
+    which reads every slot's own rows."""
+    ids, mask = left_padded([3, 9, 6])
+    index = [0, 0, 0, 1, 1, 2, 2, 2]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0,
+                            max_new_tokens_per_sample=torch.tensor([1, 6, 5, 2, 6, 1, 6, 6]))
+    model = tiny_model("llama")
+    outs = [FastRolloutEngine(model, CharTokenizer(None), device="cpu", max_seq_len=64, kernels=kernels, max_batch=4,
+                              sync_every=1).generate(ids[index], mask[index], params) for kernels in ("torch", "triton")]
+    assert torch.equal(outs[1].responses, outs[0].responses)
+    assert float((outs[1].logprobs - outs[0].logprobs).abs().max()) < 1e-5
 
 
 if __name__ == "__main__":

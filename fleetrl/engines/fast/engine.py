@@ -261,6 +261,7 @@ class FastRolloutEngine:
             self.stats["syncs"] += 1
             finished = [s for s in running if flags[0, s]]
             if finished:
+                buf.release(finished)  # before a prefill or a compaction reuses their rows
                 index = torch.tensor(finished, device=self.device)
                 parts.append(([running[s] for s in finished], buf.out_tok[index, :max_new],
                                buf.out_lp[index, :max_new]))
@@ -289,9 +290,11 @@ class FastRolloutEngine:
         width = min(max(length[s] + sampled[s] for s in movers), buf.seq_len)
         buf.k[:, dst, :, :width] = buf.k[:, src, :, :width]
         buf.v[:, dst, :, :width] = buf.v[:, src, :, :width]
-        for t in (buf.tokens, buf.pos, buf.done, buf.count, buf.limit, buf.req, buf.out_tok, buf.out_lp):
+        for t in (buf.tokens, buf.pos, buf.done, buf.count, buf.limit, buf.req, buf.lead, buf.shared, buf.out_tok,
+                  buf.out_lp):
             t[dst] = t[src]
         buf.done[src] = True
+        buf.release(movers)  # a mover's rows are whole at its new slot; no slot reads its freed one
         for a, b in zip(movers, holes):
             running[b], length[b], sampled[b] = running.pop(a), length.pop(a), sampled.pop(a)
         free[:] = sorted((set(free) - set(holes)) | set(movers))  # a sorted list is a valid heap
@@ -325,6 +328,7 @@ class FastRolloutEngine:
             tok, lp = sample(logits[of], key, buf.temperature, buf.seed, reqs, torch.zeros_like(reqs), self.kernels)
             buf.out_tok[slots, 0], buf.out_lp[slots, 0] = tok, lp
             buf.tokens[slots], buf.pos[slots], buf.req[slots] = tok, lengths, reqs
+            buf.lead[slots], buf.shared[slots] = leader_slots[of], lengths  # the prompt's rows, read at the leader
             limit = torch.tensor([limits[r] for _, _, r in members], **dev)
             buf.count[slots], buf.limit[slots] = 1, limit
             buf.done[slots] = is_stop(tok, buf.stop_ids) | (limit <= 1)
@@ -344,7 +348,7 @@ class FastRolloutEngine:
         """One decode step for slots [0, nb): forward, sample, append, update done. Device-only (capturable)."""
         nb, kv_len, key = graph_key
         buf = self._buf
-        logits = self._fwd.decode(buf.k, buf.v, buf.tokens[:nb], buf.pos[:nb], kv_len)
+        logits = self._fwd.decode(buf.k, buf.v, buf.tokens[:nb], buf.pos[:nb], kv_len, buf.lead[:nb], buf.shared[:nb])
         tok, lp = sample(logits, key, buf.temperature, buf.seed, buf.req[:nb], buf.count[:nb], self.kernels)
         if self.kernels is not None:
             self.kernels.step_update(tok, lp, buf.done[:nb], buf.count[:nb], buf.limit[:nb], buf.pos[:nb],

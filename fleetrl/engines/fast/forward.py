@@ -132,15 +132,16 @@ class DecoderForward:
 
     # ------------------------------------------------------------------------------------------ decode
     def decode(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
-               kv_len: int) -> torch.Tensor:
+               kv_len: int, lead: torch.Tensor | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
         """One token per slot: tokens [nb] at positions pos [nb] (slots 0..nb-1) -> logits [nb, V].
 
         Writes each token's K/V at its position, then attends over positions <= pos. kv_len bounds the cache
         span read by the torch path (>= max(pos) + 1 over live slots); the Triton path reads each slot's own
-        length and ignores it.
+        length and ignores it. lead, shared [nb]: the Triton path reads slot b's positions below shared[b] at
+        slot lead[b] (equal rows: state.py; None: own rows); the torch path reads every slot's own rows.
         """
         if self.kernels is not None:
-            return self._decode_triton(k_cache, v_cache, tokens, pos)
+            return self._decode_triton(k_cache, v_cache, tokens, pos, lead, shared)
         s, w = self.spec, self.weights()
         nb = tokens.shape[0]
         x = F.embedding(tokens, w.embed)
@@ -164,9 +165,11 @@ class DecoderForward:
         return F.linear(rms_norm(x, w.norm, s.rms_eps), w.lm_head)
 
     def _decode_triton(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
-                       pos: torch.Tensor) -> torch.Tensor:
+                       pos: torch.Tensor, lead: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor:
         """Same math as `decode`, with RMSNorm+residual, RoPE+cache write+attention and SiLU*up fused."""
         kn, s, w = self.kernels, self.spec, self.weights()
+        if lead is None or shared is None:
+            lead, shared = torch.arange(len(tokens), device=tokens.device), torch.zeros_like(pos)
         x = F.embedding(tokens, w.embed)  # residual stream, updated in place by add_rmsnorm
         h = torch.empty_like(x)
         delta = None
@@ -176,7 +179,8 @@ class DecoderForward:
                 q, k, v = _qkv(h, lw, s)
             else:
                 q, k, v = self._linears(h, (lw.wq, lw.bq), (lw.wk, lw.bk), (lw.wv, lw.bv))
-            o = kn.decode_attention(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s, self.scale)
+            o = kn.decode_attention(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s, self.scale,
+                                    lead, shared)
             kn.add_rmsnorm(x, F.linear(o, lw.wo, lw.bo), lw.ln2, s.rms_eps, h)
             if lw.wgu is not None:
                 gate, up = F.linear(h, lw.wgu, lw.bgu).chunk(2, dim=-1)

@@ -5,6 +5,7 @@ bucket can be replayed for the whole call (and the next ones) with no host-side 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,10 @@ class SlotBuffers:
     count       [slots] long   response tokens sampled so far
     limit       [slots] long   max_new_tokens of the request in the slot
     req         [slots] long   request index (keys the random stream, so samples don't depend on the slot)
+    lead        [slots] long   slot whose cache rows [0, shared) equal this slot's: the leader of its prompt's
+                               group, whose rows the prefill copied here; the Triton decode reads them there
+    shared      [slots] long   see lead; 0 = own rows only. A slot that stops or moves first points every slot
+                               that leads from it back to itself (`release`): its rows may be overwritten next
     out_tok     [slots, max_seq_len + 1] long    response tokens; the last column is a junk sink for done slots
     out_lp      [slots, max_seq_len + 1] float32 logprob of each sampled token
     stop_ids    [MAX_STOP_IDS] long; seed [1] long; temperature [1] float32
@@ -38,6 +43,8 @@ class SlotBuffers:
     count: torch.Tensor
     limit: torch.Tensor
     req: torch.Tensor
+    lead: torch.Tensor
+    shared: torch.Tensor
     out_tok: torch.Tensor
     out_lp: torch.Tensor
     stop_ids: torch.Tensor
@@ -54,6 +61,7 @@ class SlotBuffers:
             tokens=torch.zeros(slots, **long), pos=torch.zeros(slots, **long),
             done=torch.ones(slots, dtype=torch.bool, device=device), count=torch.zeros(slots, **long),
             limit=torch.ones(slots, **long), req=torch.zeros(slots, **long),
+            lead=torch.arange(slots, **long), shared=torch.zeros(slots, **long),
             out_tok=torch.zeros(slots, max_seq_len + 1, **long),
             out_lp=torch.zeros(slots, max_seq_len + 1, dtype=torch.float32, device=device),
             stop_ids=torch.full((MAX_STOP_IDS,), -1, **long), seed=torch.zeros(1, **long),
@@ -70,6 +78,12 @@ class SlotBuffers:
     @property
     def junk_col(self) -> int:
         return self.out_tok.shape[1] - 1
+
+    def release(self, slots: Sequence[int]) -> None:
+        """`slots` stop or move: every slot reading prefix rows there reads its own copy from now on."""
+        gone = torch.isin(self.lead, torch.tensor(list(slots), dtype=torch.long, device=self.lead.device))
+        self.lead.copy_(torch.where(gone, torch.arange(self.slots, device=self.lead.device), self.lead))
+        self.shared.masked_fill_(gone, 0)
 
     def step_state(self) -> list[torch.Tensor]:
         """The buffers a decode step changes besides the cache rows it rewrites (saved around graph warm-up)."""

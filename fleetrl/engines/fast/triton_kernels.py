@@ -10,7 +10,8 @@ up to its own length.
                     program whose span holds it, before its reads), then split-K "flash-decoding" (Dao et al., 2023,
                     https://crfm.stanford.edu/2023/10/12/flashdecoding.html): grid (slot x kv_head, split); the
                     G query heads of one KV head are the rows of one tile, so K/V are read once per KV head (GQA);
-                    a second kernel merges the splits' softmax states (skipped when the batch alone fills the GPU
+                    the samples of one prompt read its cached rows at their leader slot (one HBM read per group,
+                    the rest from L2; adjacent slots run together); a second kernel merges the splits' softmax states (skipped when the batch alone fills the GPU
                     and one split covers the cache)
   silu_mul          silu(gate) * up
   sample            pass 1 reads the logits once (per block: max, sum of exp); pass 2 per row: log-sum-exp, then
@@ -51,8 +52,8 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.c
 
 
 @triton.jit
-def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
-                        out_ptr, scale, s_slot, s_head, s_pos, s_q, s_kv, H: tl.constexpr, KVH: tl.constexpr,
+def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, lead_ptr, shared_ptr, o_ptr,
+                        m_ptr, l_ptr, out_ptr, scale, s_slot, s_head, s_pos, s_q, s_kv, H: tl.constexpr, KVH: tl.constexpr,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
                         NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
@@ -78,6 +79,10 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, p
          + sign[None, :] * tl.load(qp + swap[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * sn[None, :])
     q = q.to(q_ptr.dtype.element_ty)
     base = b * s_slot + kh * s_head
+    # Positions below `shared` are read from the leader slot's rows (equal to this slot's: the prefill copied
+    # them): the n samples of a prompt read its cache rows once from HBM, the others hit in L2.
+    shared = tl.load(shared_ptr + b)
+    lbase = tl.load(lead_ptr + b) * s_slot + kh * s_head
     if (start <= pos) & (pos < start + SPLIT):  # the one program of this head whose span holds the new token
         kp = k_ptr + b * s_kv + kh * D
         k_new = tl.load(kp + d).to(tl.float32) * c + sign * tl.load(kp + swap).to(tl.float32) * sn
@@ -90,7 +95,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, p
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        off = base + n[:, None] * s_pos + d[None, :]
+        off = tl.where(n < shared, lbase, base)[:, None] + n[:, None] * s_pos + d[None, :]
         k = tl.load(kc_ptr + off, mask=nmask[:, None], other=0.0)
         v = tl.load(vc_ptr + off, mask=nmask[:, None], other=0.0)
         if IEEE:
@@ -272,10 +277,12 @@ class TritonKernels:
 
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: DecoderSpec,
-                         scale: float) -> torch.Tensor:
+                         scale: float, lead: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """q [nb, H·d], k, v [nb, KVH·d] of the new tokens (before RoPE; possibly column views of one fused GEMM
         output: rows strided, each row's heads contiguous) -> attention output [nb, H·d]. RoPE is applied to q
-        and k, and k/v are written into the caches at each slot's position, inside the attention kernel."""
+        and k, and k/v are written into the caches at each slot's position, inside the attention kernel.
+        lead, shared [nb] long: slot b reads its positions below shared[b] from slot lead[b]'s cache rows, which
+        must hold the same values (a shared prompt's prefix; shared = 0 reads its own rows only)."""
         assert q.stride(1) == k.stride(1) == v.stride(1) == 1 and k.stride(0) == v.stride(0)
         assert cos.shape[1] == spec.head_dim and cos.is_contiguous() and sin.is_contiguous()
         nb, max_len = q.shape[0], kc.shape[2]
@@ -285,7 +292,7 @@ class TritonKernels:
         lsum = torch.empty_like(m)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
         _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
-            q, k, v, cos, sin, kc, vc, pos, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2),
+            q, k, v, cos, sin, kc, vc, pos, lead, shared, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2),
             q.stride(0), k.stride(0),
             H=spec.num_heads, KVH=spec.num_kv_heads, G=spec.group, G_PAD=max(16, _pow2(spec.group)),
             D=spec.head_dim, SPLIT=split, NSPLIT=nsplit, BLOCK_N=ATTN_BLOCK_N,
