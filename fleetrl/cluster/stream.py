@@ -16,7 +16,7 @@ from typing import Any, Callable, Collection
 import ray
 
 from fleetrl.cluster.group import WorkerGroup, WorkerLostError
-from fleetrl.cluster.watchdog import Call, StallError, _diagnose, _read_pings, stall_limit, stall_reason
+from fleetrl.cluster.watchdog import Call, _diagnose, _read_pings, stall_limit, stall_reason
 
 
 @dataclass
@@ -92,8 +92,8 @@ class Stream:
         why = (stall_reason(now - last_move[i], limits[i], c.stall_s) if stuck else
                f"did not finish within the call deadline of {self.group.deadlines.of(self._head(i).verb):.0f}s "
                f"(cluster.call_timeout_s)")
-        raise StallError(_diagnose([calls[j] for j in (stuck or late)], calls, self._head(i).verb, why, now - start,
-                                   self.group.stall_dir(), self.group.step))
+        raise _diagnose([calls[j] for j in (stuck or late)], calls, self._head(i).verb, why, now - start,
+                        self.group.stall_dir(), self.group.step)
 
     def _calls(self) -> list[Call]:
         """One watchdog Call per rank (the ref is unused: pings and diagnosis go by worker)."""

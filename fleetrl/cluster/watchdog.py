@@ -24,7 +24,7 @@ from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import ray
 
@@ -34,7 +34,22 @@ AUTO_FACTOR, AUTO_HISTORY, AUTO_FLOOR_S = 5.0, 10, 300.0
 
 
 class StallError(RuntimeError):
-    """A worker made no progress (or missed its deadline); recoverable like a lost worker."""
+    """A worker made no progress (or missed its deadline); recoverable like a lost worker.
+
+    `unresponsive`: node id -> ip of each node the diagnosis could not reach (its stack dump task never ran). Ray
+    reports such a frozen node alive until its health checks fail; the supervisor waits for that before it places
+    anything again (cluster/health.py: wait_until_declared)."""
+
+    def __init__(self, message: str, unresponsive: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.unresponsive = dict(unresponsive or {})
+
+
+@dataclass(frozen=True)
+class StackDump:
+    """One worker's stacks, and whether the dump ran on its node (False: the node is dead, or frozen itself)."""
+    text: str
+    reached: bool = True
 
 
 @dataclass(frozen=True)
@@ -109,7 +124,7 @@ def watch(calls: list[Call], *, verb: str, timeout_s: float, stall_s: float, sta
             why = (stall_reason(now - last_move[stuck[0]], limits[stuck[0]], stall_s) if stuck
                    else f"did not finish within the call deadline of {timeout_s:.0f}s (cluster.call_timeout_s)")
             culprits = [calls[i] for i in (stuck or sorted(pending.values()))]
-            raise StallError(_diagnose(culprits, calls, verb, why, now - start, stall_dir, step))
+            raise _diagnose(culprits, calls, verb, why, now - start, stall_dir, step)
     return ray.get([c.ref for c in calls])
 
 
@@ -137,33 +152,37 @@ def _read_pings(calls: list[Call], running, pings: dict[int, Any], last_count: d
 
 
 def _diagnose(culprits: list[Call], calls: list[Call], verb: str, why: str, waited: float, stall_dir: Path | None,
-              step: int) -> str:
+              step: int) -> StallError:
     first = culprits[0]
     names = ", ".join(f"rank {c.rank} (node {c.info.get('ip', '?')}, pid {c.info.get('pid', '?')})" for c in culprits)
     lines = [f"pool '{first.pool}' {names} {why} in phase '{verb}' at step {step}; waited {waited:.0f}s."]
+    unresponsive: dict[str, str] = {}
     if stall_dir is not None:
         stall_dir.mkdir(parents=True, exist_ok=True)
         top = ""
         # every worker of the call: the stuck one, and where its peers wait for it; dumped at once, so a frozen
         # node costs one dump deadline, not one per worker on it
-        for c, text in zip(calls, dump_stacks([c.info for c in calls])):
-            (stall_dir / f"{c.pool}_r{c.rank}.txt").write_text(text)
+        for c, dump in zip(calls, dump_stacks([c.info for c in calls])):
+            (stall_dir / f"{c.pool}_r{c.rank}.txt").write_text(dump.text)
+            if not dump.reached and c.info.get("node_id"):
+                unresponsive[c.info["node_id"]] = c.info.get("ip", "?")
             if c is first:
-                top = " | ".join(_top_frames(text))
+                top = " | ".join(_top_frames(dump.text))
         lines.append(f"top frames of rank {first.rank}: {top or 'unavailable'}")
         lines.append(f"full stacks: {stall_dir}/")
     lines.append("the supervisor recovers from the last checkpoint when trainer.max_restarts allows; see docs/hangs.md")
-    return "\n".join(lines)
+    return StallError("\n".join(lines), unresponsive)
 
 
-def dump_stacks(infos: list[dict], timeout_s: float = 20.0) -> list[str]:
+def dump_stacks(infos: list[dict], timeout_s: float = 20.0) -> list[StackDump]:
     """`dump_stack` of every worker concurrently (each waits at most its own deadline); a worker on a node Ray
     already reports dead is not waited for at all."""
     dead = _dead_nodes()
 
-    def one(info: dict) -> str:
+    def one(info: dict) -> StackDump:
         if info.get("node_id") in dead:
-            return f"node {info.get('ip')} is dead (Ray reports it lost): no stack of pid {info.get('pid')}"
+            return StackDump(f"node {info.get('ip')} is dead (Ray reports it lost): no stack of pid {info.get('pid')}",
+                             reached=False)
         return dump_stack(info, timeout_s)
 
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(infos)))) as pool:
@@ -177,22 +196,23 @@ def _dead_nodes() -> set[str]:
         return set()
 
 
-def dump_stack(info: dict, timeout_s: float = 20.0) -> str:
+def dump_stack(info: dict, timeout_s: float = 20.0) -> StackDump:
     """Python stacks of a worker process via py-spy, run on the worker's own node (a Ray task pinned there when it
     is not this node). --nonblocking reads a stopped or hung process without pausing it further."""
     pid = info.get("pid")
     if pid is None:
-        return "no pid known for this worker"
+        return StackDump("no pid known for this worker")
     if info.get("node_id") in ("", None, ray.get_runtime_context().get_node_id()):
-        return _py_spy(int(pid), timeout_s)
+        return StackDump(_py_spy(int(pid), timeout_s))
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(_py_spy).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
         info["node_id"], soft=False))
     try:
-        return ray.get(task.remote(int(pid), timeout_s), timeout=timeout_s + 5)
+        return StackDump(ray.get(task.remote(int(pid), timeout_s), timeout=timeout_s + 5))
     except Exception as e:  # noqa: BLE001 — a frozen node cannot run the task: say so, do not wait
-        return f"could not reach node {info.get('ip')} to dump pid {pid} ({type(e).__name__}): the node itself is unresponsive"
+        return StackDump(f"could not reach node {info.get('ip')} to dump pid {pid} ({type(e).__name__}): the node "
+                         f"itself is unresponsive", reached=False)
 
 
 def _py_spy(pid: int, timeout_s: float) -> str:

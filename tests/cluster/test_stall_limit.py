@@ -47,7 +47,7 @@ def test_stacks_are_dumped_at_once_and_a_dead_node_is_not_waited_for(monkeypatch
     def slow_dump(info, timeout_s):
         calls.append(info["pid"])
         time.sleep(0.5)
-        return f"stack of {info['pid']}"
+        return watchdog.StackDump(f"stack of {info['pid']}")
 
     monkeypatch.setattr(watchdog, "dump_stack", slow_dump)
     monkeypatch.setattr(watchdog, "_dead_nodes", lambda: {"gone"})
@@ -56,5 +56,27 @@ def test_stacks_are_dumped_at_once_and_a_dead_node_is_not_waited_for(monkeypatch
     start = time.monotonic()
     out = watchdog.dump_stacks(infos)
     assert time.monotonic() - start < 1.5  # four 0.5 s dumps side by side, not 2 s in a row
-    assert out[:4] == [f"stack of {p}" for p in (1, 2, 3, 4)] and sorted(calls) == [1, 2, 3, 4]
-    assert out[4] == "node 10.0.0.2 is dead (Ray reports it lost): no stack of pid 5"
+    assert [d.text for d in out[:4]] == [f"stack of {p}" for p in (1, 2, 3, 4)] and sorted(calls) == [1, 2, 3, 4]
+    assert out[4].text == "node 10.0.0.2 is dead (Ray reports it lost): no stack of pid 5" and not out[4].reached
+
+
+def test_a_stall_names_the_nodes_its_dumps_could_not_reach(monkeypatch, tmp_path):
+    """Rank 1's node is frozen (its dump task never ran): the StallError carries that node, so the supervisor waits
+    for Ray to declare it dead before placing anything; rank 0's node answered and is not named."""
+    from fleetrl.cluster import watchdog
+
+    def dump(info, timeout_s):
+        if info["node_id"] == "nb":
+            return watchdog.StackDump("could not reach node 10.0.0.2 ...", reached=False)
+        return watchdog.StackDump("Thread 1 (idle)\n    wait (gloo.py:10)\n")
+
+    monkeypatch.setattr(watchdog, "dump_stack", dump)
+    monkeypatch.setattr(watchdog, "_dead_nodes", lambda: set())
+    calls = [watchdog.Call(ref=None, handle=None, pool="far", rank=r, info={"node_id": n, "ip": ip, "pid": 10 + r})
+             for r, (n, ip) in enumerate([("na", "10.0.0.1"), ("nb", "10.0.0.2")])]
+    err = watchdog._diagnose([calls[1]], calls, "update_critic", "made no progress for 6s (cluster.stall_s=6)", 6.0,
+                             tmp_path, step=3)
+    assert isinstance(err, watchdog.StallError) and err.unresponsive == {"nb": "10.0.0.2"}
+    assert str(err).startswith("pool 'far' rank 1 (node 10.0.0.2, pid 11) made no progress for 6s")
+    assert (tmp_path / "far_r1.txt").read_text().startswith("could not reach node 10.0.0.2")
+    assert watchdog._diagnose([calls[1]], calls, "x", "why", 1.0, None, step=3).unresponsive == {}  # no dumps
