@@ -1,11 +1,11 @@
-"""Failure classification and the bounded wait for capacity after a loss."""
+"""Failure classification and the bounded waits after a loss: for Ray to declare frozen nodes dead, then for capacity."""
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import ray
 
@@ -24,6 +24,7 @@ _RECOVERABLE = (WorkerLostError, WeightSyncError, StallError, RewardServerLostEr
                 ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError)
 
 Decision = Literal["ready", "wait", "short"]
+NodeState = Literal["dead", "answering", "silent"]
 
 
 def is_recoverable(exc: BaseException) -> bool:
@@ -116,3 +117,69 @@ def _wait_message(pools: list[PoolPlan], view: ClusterView, decision: Decision, 
                 f"launched; not waiting trainer.restart_wait_s for it:\n{detail}")
     return (f"after a failure the cluster did not regain room for the plan within {timeout_s:g}s "
             f"(trainer.restart_wait_s){dead}:\n{detail}")
+
+
+def wait_until_declared(nodes: Mapping[str, str], timeout_s: float, poll_s: float = 1.0, *,
+                        observe: Callable[[Mapping[str, str]], dict[str, NodeState]] | None = None) -> float:
+    """Returns (seconds waited) once every node of `nodes` (node id -> ip: the nodes a stall's diagnosis could not
+    reach) is dead in Ray's view, or answers again; PlacementError naming the silent ones after timeout_s.
+
+    Why: Ray keeps a frozen node alive until its health checks fail (about a minute with Ray's defaults). A placement
+    group Ray aims at it meanwhile never gets an answer, and Ray places groups one at a time, so every later group
+    waits behind it, the fallback's on healthy nodes included, even once the node is declared dead (docs/hangs.md)."""
+    observe = observe or _NodeWatch()
+    start = time.monotonic()
+    while True:
+        states = observe(nodes) if nodes else {}
+        silent = [node_id for node_id, state in states.items() if state == "silent"]
+        if not silent:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise PlacementError(_silent_message([nodes[n] for n in silent], timeout_s))
+        time.sleep(poll_s)
+
+
+def _silent_message(ips: list[str], timeout_s: float) -> str:
+    return (f"after the stall, node(s) {', '.join(ips)} did not answer for {timeout_s:g}s (trainer.restart_wait_s), "
+            f"and Ray still reports them alive: its health checks have not failed yet. Nothing is placed while a "
+            f"frozen node counts as alive (a placement group aimed at it would wait for it). Fix: end Ray on that "
+            f"node (`fleetrl cluster down` there, or power it off) so that Ray declares it dead; raise "
+            f"trainer.restart_wait_s; or start the head with RAY_health_check_period_ms / "
+            f"RAY_health_check_failure_threshold lower, so that Ray declares frozen nodes dead sooner")
+
+
+def _here() -> bool:
+    return True
+
+
+class _NodeWatch:
+    """Ray's view of each node, plus one outstanding no-op task pinned to each node Ray still reports alive: a node
+    that runs it answers again (it was slow, not frozen)."""
+
+    def __init__(self) -> None:
+        self.probes: dict[str, Any] = {}
+
+    def __call__(self, nodes: Mapping[str, str]) -> dict[str, NodeState]:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        states: dict[str, NodeState] = {}
+        for node_id in nodes:
+            if node_id not in alive:
+                states[node_id] = "dead"
+                continue
+            if node_id not in self.probes:
+                self.probes[node_id] = ray.remote(_here).options(num_cpus=0, scheduling_strategy=(
+                    NodeAffinitySchedulingStrategy(node_id, soft=False))).remote()
+            states[node_id] = "answering" if self._answered(node_id) else "silent"
+        return states
+
+    def _answered(self, node_id: str) -> bool:
+        ref = self.probes[node_id]
+        if not ray.wait([ref], timeout=0)[0]:
+            return False
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayError:  # the node went down under the probe: Ray's view decides on the next poll
+            del self.probes[node_id]
+            return False

@@ -4,9 +4,11 @@ trainer.max_restarts times. Each restart is an event in metrics.jsonl."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
-from fleetrl.cluster.health import is_recoverable, wait_for_capacity
+from fleetrl.cluster.health import is_recoverable, wait_for_capacity, wait_until_declared
 from fleetrl.cluster.placement import PlacementError
 from fleetrl.cluster.watchdog import StallError
 from fleetrl.config.plan import Plan, fallback_plan
@@ -56,17 +58,28 @@ class Supervisor:
                 log.warning("recovering from %s (restart %d/%d)", type(e).__name__, self.restarts,
                             self.plan.config.trainer.max_restarts)
                 trainer.shutdown()
-                self._wait_or_fall_back(self.last_step)
+                self._wait_or_fall_back(self.last_step, e.unresponsive if isinstance(e, StallError) else {})
                 resume = "auto"  # the newest complete checkpoint of this run, or the start when there is none
             finally:
                 trainer.shutdown()
 
-    def _wait_or_fall_back(self, step: int) -> None:
+    def _wait_or_fall_back(self, step: int, unresponsive: Mapping[str, str]) -> None:
+        """Waits, within trainer.restart_wait_s in all, for Ray to declare the nodes the stall found frozen dead (so
+        that nothing is placed on them), then for room for the plan; falls back when the plan cannot fit."""
+        wait_s = self.plan.config.trainer.restart_wait_s
+        deadline = time.monotonic() + wait_s
         try:
-            wait_for_capacity(self.plan, self.plan.config.trainer.restart_wait_s)
-        except PlacementError:
+            if unresponsive:
+                log.warning("waiting up to %gs for Ray to declare unresponsive node(s) %s dead", wait_s,
+                            ", ".join(unresponsive.values()))
+                waited = wait_until_declared(unresponsive, wait_s)
+                self.tracker.event(step, "unresponsive_nodes", nodes=sorted(unresponsive.values()),
+                                   waited_s=round(waited, 1))
+            wait_for_capacity(self.plan, max(0.0, deadline - time.monotonic()))
+        except PlacementError as e:
             if not self._fall_back(step):
                 raise
+            log.warning("%s\n-> using cluster.fallback_pools", e)
 
     def _fall_back(self, step: int) -> bool:
         """Switches to cluster.fallback_pools/roles once; False when there is none or it is already in use."""

@@ -1,4 +1,5 @@
-"""Recovery decisions: which failures restart, and when waiting for capacity cannot help (fail fast to fallback)."""
+"""Recovery decisions: which failures restart, when waiting for capacity cannot help (fail fast to fallback), and the
+wait for Ray to declare a frozen node dead before anything is placed again."""
 from __future__ import annotations
 
 import itertools
@@ -6,7 +7,13 @@ import time
 
 import pytest
 
-from fleetrl.cluster.health import ClusterView, capacity_decision, is_recoverable, wait_for_capacity
+from fleetrl.cluster.health import (
+    ClusterView,
+    capacity_decision,
+    is_recoverable,
+    wait_for_capacity,
+    wait_until_declared,
+)
 from fleetrl.cluster.placement import NodeResources, PlacementError
 from fleetrl.config import derive_plan, load_config
 from fleetrl.config.plan import PoolPlan
@@ -72,6 +79,38 @@ def test_returns_once_released_resources_show_up():
     calls = []
     wait_for_capacity(plan, timeout_s=10, poll_s=0.01, observe=lambda: calls.append(1) or next(views))
     assert len(calls) == 3  # wait, wait, ready
+
+
+def test_no_unresponsive_node_no_wait():
+    assert wait_until_declared({}, timeout_s=60, observe=lambda nodes: pytest.fail("nothing to observe")) < 0.1
+
+
+def test_waits_for_ray_to_declare_a_frozen_node_dead():
+    """The stall's node is frozen and Ray still reports it alive for two polls, then dead: placing only then keeps the
+    plan from being aimed at the frozen node."""
+    states = iter(["silent", "silent", "dead"])
+    seen = []
+
+    def observe(nodes):
+        seen.append(dict(nodes))
+        return {"b": next(states)}
+
+    waited = wait_until_declared({"b": "10.0.0.2"}, timeout_s=10, poll_s=0.01, observe=observe)
+    assert seen == [{"b": "10.0.0.2"}] * 3 and waited < 1.0
+
+
+def test_a_node_that_answers_again_is_not_waited_for():
+    assert wait_until_declared({"b": "10.0.0.2"}, timeout_s=10, observe=lambda nodes: {"b": "answering"}) < 0.1
+
+
+def test_a_node_alive_and_silent_past_the_deadline_is_named():
+    start = time.monotonic()
+    with pytest.raises(PlacementError, match=r"node\(s\) 10.0.0.2 did not answer for 0.2s \(trainer.restart_wait_s\), "
+                                             r"and Ray still reports them alive.*fleetrl cluster down") as err:
+        wait_until_declared({"a": "10.0.0.1", "b": "10.0.0.2"}, timeout_s=0.2, poll_s=0.01,
+                            observe=lambda nodes: {"a": "dead", "b": "silent"})
+    assert 0.2 <= time.monotonic() - start < 2.0
+    assert "10.0.0.1" not in str(err.value)  # the one Ray declared dead is not blamed
 
 
 @pytest.mark.slow
