@@ -164,10 +164,13 @@ def test_node_loss_recovers_with_replacement(hosts):
 
 def test_frozen_host_is_detected_named_and_recovered_by_the_fallback(hosts):
     """Every process of host B SIGSTOPped (a frozen node, not a dead one): the watchdog reports the stall within
-    cluster.stall_s with B's address, and the run finishes on the fallback placement."""
+    cluster.stall_s with B's address, the supervisor waits for Ray to declare B dead before placing anything (a
+    placement group aimed at a frozen node that Ray still counts alive holds up every later one, the fallback's
+    included), and the run finishes on the fallback placement."""
     a, b, root = hosts
     metrics = root / "run" / "metrics.jsonl"
     frozen: list[int] = []
+    frozen_at: list[float] = []
 
     def freeze() -> None:
         deadline = time.time() + 300
@@ -177,6 +180,7 @@ def test_frozen_host_is_detected_named_and_recovered_by_the_fallback(hosts):
                 for pid in pids:
                     os.kill(int(pid), signal.SIGSTOP)
                     frozen.append(int(pid))
+                frozen_at.append(time.monotonic())
                 return
             time.sleep(0.2)
 
@@ -186,8 +190,9 @@ def test_frozen_host_is_detected_named_and_recovered_by_the_fallback(hosts):
                 "cluster.fallback_roles={actor: main, rollout: main, ref: main, critic: main}"]
     try:
         done = _drive(a, root, *_pools(a.ip, b.ip), *fallback, "trainer.total_steps=5", "trainer.save_every=1",
-                      "trainer.max_restarts=4", "trainer.restart_wait_s=20", "cluster.placement_timeout_s=20",
+                      "trainer.max_restarts=4", "trainer.restart_wait_s=60", "cluster.placement_timeout_s=20",
                       "cluster.stall_s=6", timeout=560)
+        finished_at = time.monotonic()
     finally:
         t.join(timeout=5)
         for pid in frozen:  # leave nothing stopped behind (the fixture's `cluster down` ends them)
@@ -200,5 +205,14 @@ def test_frozen_host_is_detected_named_and_recovered_by_the_fallback(hosts):
     records = [json.loads(l) for l in metrics.read_text().splitlines()]
     stalls = [r for r in records if r.get("event") == "stall"]
     assert stalls and f"(node {b.ip}," in stalls[0]["error"], stalls
-    assert any(r.get("event") == "fallback_placement" for r in records)
+    events = [r["event"] for r in records if "event" in r]
+    # B's stack dump could not reach it, so the restart waited for Ray to declare it dead; then the original plan
+    # could not fit and the fallback ran on this same restart
+    assert [r["nodes"] for r in records if r.get("event") == "unresponsive_nodes"] == [[b.ip]], events
+    assert events.count("restart") == 1 and "fallback_placement" in events, events
+    # nothing was aimed at B after it froze: the pool pinned to it was placed once, before the freeze
+    groups = json.loads(done.stdout.split("PLACEMENT_GROUPS ", 1)[1].splitlines()[0])
+    assert [g for g in groups if g.startswith("fleetrl-far-")] == groups[1:2], groups
     assert {r["step"] for r in records if "train/reward_mean" in r} >= set(range(1, 6))
+    # stall_s + one stack-dump deadline (25 s) + at most restart_wait_s for Ray's verdict + 45 s to rebuild and finish
+    assert finished_at - frozen_at[0] < 6 + 25 + 60 + 45, finished_at - frozen_at[0]
