@@ -90,8 +90,8 @@ class TrainingEngine:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        # Metrics may be 0-dim device tensors: they are summed on the device and read back once, after the last
-        # backward. A read per micro-batch (float(tensor)) would make the host wait for the GPU to drain before
+        # Metrics may be 0-dim device tensors: they are summed on the device and read back once, with the gradient
+        # norm. A read per micro-batch (float(tensor)) would make the host wait for the GPU to drain before
         # it could queue the backward, leaving the GPU idle while it does.
         totals: dict[str, float | torch.Tensor] = {}
         nonfinite: torch.Tensor | float = 0.0
@@ -104,12 +104,15 @@ class TrainingEngine:
             nonfinite = nonfinite + (~torch.isfinite(loss.detach())).float()
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else float(v))
-        totals = read_back({**totals, "nonfinite_loss": nonfinite})
         if self.dist.active and not self.sharded:
             self._all_reduce_grads()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # the metrics and the norm in one read-back: each read waits for the GPU to drain, and it then idles
+        # while the host queues the next kernels
+        totals = read_back({**totals, "nonfinite_loss": nonfinite,
+                            "grad_norm": norm.full_tensor() if hasattr(norm, "full_tensor") else norm})
+        norm = totals.pop("grad_norm")
         lr = self.scheduler.get_last_lr()[0]
         if math.isfinite(norm):
             self.optimizer.step()

@@ -209,7 +209,9 @@ class FastRolloutEngine:
             raise ValueError(f"invalid SamplingParams {params}: need max_new_tokens >= 1, temperature >= 0, "
                              "0 < top_p <= 1, top_k >= 0")
         ids, mask = prompts.cpu(), prompt_mask.cpu().bool()
-        rows = [ids[i][mask[i]] for i in range(ids.shape[0])]
+        # one mask op and a split into views: a mask op per row cost ~15 µs each (4 ms at 256 rows, before the
+        # call's first kernel)
+        rows = list(torch.split(ids[mask], mask.sum(1).tolist()))
         for i, row in enumerate(rows):
             if len(row) == 0 or len(row) + params.max_new_tokens > self.max_seq_len:
                 raise ValueError(f"prompt {i} has {len(row)} tokens; with max_new_tokens={params.max_new_tokens} "
@@ -257,16 +259,18 @@ class FastRolloutEngine:
                 self._decode(nb, max(length[s] + sampled[s] for s in running), key)
                 for s in running:
                     sampled[s] = min(sampled[s] + 1, limits[running[s]])
-            flags = torch.stack((buf.done[:nb].long(), buf.count[:nb])).cpu()
+            # as Python lists: indexing the tensor per slot cost ~8 µs each, 2 ms per sync at 256 slots while the
+            # GPU waited for the next step (profiled on an H200: 16 syncs, ~35 ms of a 0.41 s generate call)
+            done, count = torch.stack((buf.done[:nb].long(), buf.count[:nb])).cpu().tolist()
             self.stats["syncs"] += 1
-            finished = [s for s in running if flags[0, s]]
+            finished = [s for s in running if done[s]]
             if finished:
                 buf.release(finished)  # before a prefill or a compaction reuses their rows
                 index = torch.tensor(finished, device=self.device)
                 parts.append(([running[s] for s in finished], buf.out_tok[index, :max_new],
                                buf.out_lp[index, :max_new]))
                 for s in finished:
-                    counts[running.pop(s)] = int(flags[1, s])
+                    counts[running.pop(s)] = count[s]
                     heapq.heappush(free, s)
             if running and not pending:  # nothing to refill the freed slots with: shrink the decode batch instead
                 self._compact(buf, running, length, sampled, free, buckets)

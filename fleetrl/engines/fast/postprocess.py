@@ -36,9 +36,11 @@ def assemble_output(tok: torch.Tensor, lp: torch.Tensor, counts: list[int], stop
     """
     width = max(counts)
     tok, lp = tok[:, :width].cpu(), lp[:, :width].cpu()
+    # each row's last token in one gather: an int(tok[i, c]) per row cost ~8 µs, 2 ms at 256 rows
+    last = tok[torch.arange(len(counts)), torch.tensor(counts) - 1].tolist()
     counts, reasons = list(counts), []
     for i, c in enumerate(counts):
-        reasons.append(FINISH_STOP if int(tok[i, c - 1]) in stop_ids else FINISH_LENGTH)
+        reasons.append(FINISH_STOP if last[i] in stop_ids else FINISH_LENGTH)
         if stop_strings and tokenizer is not None:
             cut = first_stop_string_end(tok[i, :c].tolist(), tokenizer, stop_strings)
             if cut is not None:
