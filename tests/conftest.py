@@ -1,4 +1,6 @@
 import os
+import sys
+import time
 
 import pytest
 import torch
@@ -38,6 +40,7 @@ LONGEST_FIRST = (
 
 def pytest_collection_modifyitems(config, items):
     _longest_first(items)
+    _RAY_MODULES.update(_module_path(i.nodeid) for i in items if "ray_local" in getattr(i, "fixturenames", ()))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -59,15 +62,74 @@ def _longest_first(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])
 
 
+# The local Ray of ray_local, shared by consecutive modules that ask for it: {"gcs": its GCS address} while it is up.
+_SHARED_RAY: dict[str, str] = {}
+# Modules with a test that asks for ray_local (set at collection).
+_RAY_MODULES: set[str] = set()
+
+
+def _module_path(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _shared_ray_up() -> bool:
+    """True while this process is connected to the shared local Ray (not to a cluster a module built itself)."""
+    ray = sys.modules.get("ray")
+    if not _SHARED_RAY or ray is None or not ray.is_initialized():
+        return False
+    if ray.get_runtime_context().gcs_address != _SHARED_RAY["gcs"]:
+        _SHARED_RAY.clear()  # a module shut it down and connected to its own cluster
+        return False
+    return True
+
+
+def _shut_shared_ray() -> None:
+    if _shared_ray_up():
+        sys.modules["ray"].shutdown()
+    _SHARED_RAY.clear()
+
+
+def _ray_is_idle(ray, wait_s: float = 10.0) -> bool:
+    """Nothing an earlier module started still holds the shared Ray: every CPU free and no live placement group
+    (freed resources show up a moment after a group is removed, hence the short wait)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        groups = ray.util.placement_group_table().values()
+        if (ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
+                and all(g["state"] == "REMOVED" for g in groups)):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def ray_local():
-    """One local Ray per test module (starting one costs ~10 s; modules that build their own cluster need
-    the process free of it). `address="local"` so a stale cluster
-    file can never make a test join someone else's cluster."""
+    """A local Ray for the module. Starting one costs ~10 s of wall time and ~8 s of CPU on the 2-core VM, so
+    consecutive modules that ask for it share one: it is left running after the module, restarted when the
+    module before left something holding it (an actor or placement group), and shut down before a module
+    that does not ask for it (_ray_free_module: modules that build their own cluster need the process free of
+    it) and at the end of the session. `address="local"` so a stale cluster file can never make a test join
+    someone else's cluster."""
     import ray
 
+    if _shared_ray_up() and not _ray_is_idle(ray):
+        _shut_shared_ray()
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+        _SHARED_RAY["gcs"] = ray.get_runtime_context().gcs_address
     yield ray
-    ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_free_module(request):
+    """Autouse, so it runs before the module's own fixtures: a module with no ray_local test starts with the
+    shared Ray shut down, as it did when each module shut its own Ray down at its end."""
+    if _module_path(request.node.nodeid) not in _RAY_MODULES:
+        _shut_shared_ray()
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _shut_shared_ray()
