@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.text import Text
 
 from fleetrl.cli.errors import report, user_errors
+from fleetrl.errors import UserError
 
 app = typer.Typer(help="fleetrl: RL post-training of LLMs on Ray (PPO, GRPO and relatives).",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -32,6 +33,8 @@ def train(config: str = typer.Argument(..., help="Run config YAML."),
         run_train(config, list(overrides or []))
     except Interrupted as e:  # the run already printed where it stopped and how to continue
         raise typer.Exit(e.exit_code) from None
+    except UserError:  # one line from user_errors; never a lost worker, so no need to import Ray to ask (~4 s)
+        raise
     except Exception as e:
         from fleetrl.cluster.health import is_recoverable  # imports Ray: only once a run has failed
 

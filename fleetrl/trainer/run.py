@@ -10,7 +10,6 @@ from rich.text import Text
 from fleetrl.config import Plan, derive_plan, load_config, redacted_dict, write_config
 from fleetrl.config.schema import RunConfig
 from fleetrl.tracking.tracker import Tracker
-from fleetrl.trainer.inputs import RunInputs
 from fleetrl.trainer.rundir import claim_run_dir
 from fleetrl.trainer.signals import Interrupted, StopSignal
 
@@ -23,10 +22,11 @@ def train(config_path: str | None, overrides: list[str]) -> dict[str, float]:
 
 def plan_for(cfg: RunConfig) -> Plan:
     """The Plan of `cfg`; in epoch mode (trainer.total_steps: null) the training set is read to size the run."""
-    from fleetrl.trainer.feed import count_train_prompts
+    if cfg.trainer.total_steps is not None:
+        return derive_plan(cfg)
+    from fleetrl.trainer.feed import count_train_prompts  # tokenizes, so imports transformers: only when needed
 
-    prompts = count_train_prompts(cfg) if cfg.trainer.total_steps is None else None
-    return derive_plan(cfg, train_prompts=prompts)
+    return derive_plan(cfg, train_prompts=count_train_prompts(cfg))
 
 
 def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
@@ -35,6 +35,7 @@ def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
     # Heavy imports (torch, transformers, Ray) only after the config was validated: a bad flag fails in ~1 s.
     from fleetrl.checkpoint.manager import find_resume
     from fleetrl.cluster.runtime import ensure_ray
+    from fleetrl.trainer.inputs import RunInputs  # the tokenizer, so transformers (~4 s of a bad flag's ~7 s)
     from fleetrl.trainer.supervisor import Supervisor
 
     cfg = plan.config
