@@ -264,24 +264,19 @@ def _alive_nodes(ray: Any, address: str) -> list[NodeInfo]:
     return sorted(out, key=lambda n: (not n.is_head, n.ip))
 
 
-def _on(node_id: str) -> dict[str, Any]:
-    """Ray options that pin a task or actor to one node, asking for no CPU."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
-
-
 def _gather_probes(ray: Any, nodes: list[NodeInfo], path: Path,
                    timeout_s: float) -> tuple[list[NodeProbe], set[str], str | None]:
+    from fleetrl.cluster.placement import pinned_to
+
     marker_dir = path / f".fleetrl-doctor-{uuid.uuid4().hex[:8]}"
     targets = [(n.ip, port) for n in nodes for port in n.ports]
     probe, read, clean = (ray.remote(f) for f in (_probe_node, _list_markers, _remove_markers))
     try:
-        probes = ray.get([probe.options(**_on(n.node_id)).remote(n.node_id, str(path), str(marker_dir), targets)
+        probes = ray.get([probe.options(**pinned_to(n.node_id)).remote(n.node_id, str(path), str(marker_dir), targets)
                           for n in nodes], timeout=timeout_s)
         head = next((n for n in nodes if n.is_head), nodes[0])
-        seen = set(ray.get(read.options(**_on(head.node_id)).remote(str(marker_dir)), timeout=timeout_s))
-        ray.get([clean.options(**_on(n.node_id)).remote(str(marker_dir), n.node_id) for n in nodes],
+        seen = set(ray.get(read.options(**pinned_to(head.node_id)).remote(str(marker_dir)), timeout=timeout_s))
+        ray.get([clean.options(**pinned_to(n.node_id)).remote(str(marker_dir), n.node_id) for n in nodes],
                 timeout=timeout_s)
     except Exception as e:
         return [], set(), f"probe tasks failed or timed out after {timeout_s:.0f}s: {type(e).__name__}: {e}"
@@ -289,9 +284,11 @@ def _gather_probes(ray: Any, nodes: list[NodeInfo], path: Path,
 
 
 def _run_allreduce(ray: Any, nodes: list[NodeInfo], opts: DoctorOptions) -> CheckResult:
+    from fleetrl.cluster.placement import pinned_to
+
     backend = "nccl" if nodes and all(n.resources.get("GPU", 0) >= 1 for n in nodes) else "gloo"
     peer_cls = ray.remote(_Peer)
-    peers = [peer_cls.options(num_gpus=1 if backend == "nccl" else 0, **_on(n.node_id)).remote() for n in nodes]
+    peers = [peer_cls.options(num_gpus=1 if backend == "nccl" else 0, **pinned_to(n.node_id)).remote() for n in nodes]
     try:
         master, port = ray.get(peers[0].rendezvous.remote(), timeout=opts.timeout_s)
         refs = [p.allreduce.remote(rank, len(peers), master, port, backend, opts.allreduce_mb, opts.timeout_s)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import ray
 
 from fleetrl.cluster.group import WorkerLostError
-from fleetrl.cluster.placement import NodeResources, PlacementError, check_feasible, cluster_nodes
+from fleetrl.cluster.placement import NodeResources, PlacementError, check_feasible, cluster_nodes, pinned_to
 from fleetrl.cluster.watchdog import StallError
 from fleetrl.cluster.weight_sync import WeightSyncError
 from fleetrl.config.plan import Plan, PoolPlan, fallback_plan
@@ -160,8 +160,6 @@ class _NodeWatch:
         self.probes: dict[str, Any] = {}
 
     def __call__(self, nodes: Mapping[str, str]) -> dict[str, NodeState]:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         states: dict[str, NodeState] = {}
         for node_id in nodes:
@@ -169,8 +167,7 @@ class _NodeWatch:
                 states[node_id] = "dead"
                 continue
             if node_id not in self.probes:
-                self.probes[node_id] = ray.remote(_here).options(num_cpus=0, scheduling_strategy=(
-                    NodeAffinitySchedulingStrategy(node_id, soft=False))).remote()
+                self.probes[node_id] = ray.remote(_here).options(**pinned_to(node_id)).remote()
             states[node_id] = "answering" if self._answered(node_id) else "silent"
         return states
 
@@ -179,7 +176,7 @@ class _NodeWatch:
         if not ray.wait([ref], timeout=0)[0]:
             return False
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=0)  # ready (ray.wait said so): returns or raises at once
         except ray.exceptions.RayError:  # the node went down under the probe: Ray's view decides on the next poll
             del self.probes[node_id]
             return False

@@ -56,6 +56,13 @@ def _available_by_node() -> dict[str, dict[str, float]]:
         return {}
 
 
+def pinned_to(node_id: str) -> dict:
+    """Ray options that pin a task or actor to one node (it runs there or not at all), asking for no CPU."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
 def node_bundle(pool: PoolPlan) -> dict[str, float]:
     return {k: v * pool.bundles_per_node for k, v in pool.bundle.items()}
 

@@ -204,10 +204,9 @@ def dump_stack(info: dict, timeout_s: float = 20.0) -> StackDump:
         return StackDump("no pid known for this worker")
     if info.get("node_id") in ("", None, ray.get_runtime_context().get_node_id()):
         return StackDump(_py_spy(int(pid), timeout_s))
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from fleetrl.cluster.placement import pinned_to
 
-    task = ray.remote(_py_spy).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        info["node_id"], soft=False))
+    task = ray.remote(_py_spy).options(**pinned_to(info["node_id"]))
     try:
         return StackDump(ray.get(task.remote(int(pid), timeout_s), timeout=timeout_s + 5))
     except Exception as e:  # noqa: BLE001 — a frozen node cannot run the task: say so, do not wait
