@@ -1,4 +1,5 @@
-"""Failure classification and the bounded waits after a loss: for Ray to declare frozen nodes dead, then for capacity."""
+"""Failure classification and the bounded waits after a loss: for Ray to declare frozen nodes dead, then for
+capacity."""
 from __future__ import annotations
 
 import logging

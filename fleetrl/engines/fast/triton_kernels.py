@@ -11,8 +11,8 @@ up to its own length.
                     https://crfm.stanford.edu/2023/10/12/flashdecoding.html): grid (slot x kv_head, split); the
                     G query heads of one KV head are the rows of one tile, so K/V are read once per KV head (GQA);
                     the samples of one prompt read its cached rows at their leader slot (one HBM read per group,
-                    the rest from L2; adjacent slots run together); a second kernel merges the splits' softmax states (skipped when the batch alone fills the GPU
-                    and one split covers the cache)
+                    the rest from L2; adjacent slots run together); a second kernel merges the splits' softmax
+                    states (skipped when the batch alone fills the GPU and one split covers the cache)
   silu_mul          silu(gate) * up
   sample            pass 1 reads the logits once (per block: max, sum of exp); pass 2 per row: log-sum-exp, then
                     the token in two exact stages (sampling.py): a block by inverse CDF over the block masses
@@ -53,8 +53,8 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.c
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, lead_ptr, shared_ptr, o_ptr,
-                        m_ptr, l_ptr, out_ptr, scale, s_slot, s_head, s_pos, s_q, s_kv, H: tl.constexpr, KVH: tl.constexpr,
-                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                        m_ptr, l_ptr, out_ptr, scale, s_slot, s_head, s_pos, s_q, s_kv, H: tl.constexpr,
+                        KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
                         NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -292,8 +292,8 @@ class TritonKernels:
         lsum = torch.empty_like(m)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
         _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
-            q, k, v, cos, sin, kc, vc, pos, lead, shared, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1), kc.stride(2),
-            q.stride(0), k.stride(0),
+            q, k, v, cos, sin, kc, vc, pos, lead, shared, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1),
+            kc.stride(2), q.stride(0), k.stride(0),
             H=spec.num_heads, KVH=spec.num_kv_heads, G=spec.group, G_PAD=max(16, _pow2(spec.group)),
             D=spec.head_dim, SPLIT=split, NSPLIT=nsplit, BLOCK_N=ATTN_BLOCK_N,
             IEEE=q.dtype == torch.float32, num_warps=4)
