@@ -88,7 +88,6 @@ def main() -> None:
 def profile_update(step: int, out: Path) -> None:
     """Wraps the in-process actor's update: its `step`-th call runs under the torch profiler, and the CUDA kernel
     time is written to `out`, grouped by kind (GEMM, attention, fused/elementwise, optimiser, copies) and by name."""
-
     import fleetrl.workers.actor as actor_mod
 
     actor_mod.run_update = profiled(actor_mod.run_update, step, out)
@@ -148,7 +147,7 @@ def kernel_report(prof) -> str:  # noqa: ANN001
 
 
 def idle_report(prof) -> str:  # noqa: ANN001
-    """How long the GPU sat idle during the profiled update, and its 15 longest gaps with the host op that was
+    """How long the GPU sat idle during the profiled call, and its 15 longest gaps with the host op that was
     running when each began: where the host, not the GPU, set the pace."""
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                      if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
@@ -156,8 +155,7 @@ def idle_report(prof) -> str:  # noqa: ANN001
     if not kernels or not host:
         return "no kernels or host events recorded\n"
     t0, t1 = min(e.time_range.start for e in host), max(e.time_range.end for e in host)
-    gaps, end = [], kernels[0][0]
-    gaps.append((kernels[0][0] - t0, t0))
+    gaps, end = [(kernels[0][0] - t0, t0)], kernels[0][0]  # before the first kernel, then between kernels
     for s, e in kernels:
         if s > end:
             gaps.append((s - end, end))
