@@ -229,10 +229,10 @@ class ActorConfig:
     optimiser, checkpoints and weight sync are unchanged; padded rows run causal SDPA with no mask, packed rows
     flex attention (shared prompts with share_prompts); not with sharding=fsdp2)."""
     compile: bool = False
-    """torch.compile each decoder layer for the training forward/backward (GPU; the first step compiles). With
-    forward=native: our layer function, fullgraph and static shapes (padded widths rounded to quarter-octave
-    buckets, packed rows to the token budget); with forward=hf: HF's decoder layers (measured slower in the e2e
-    update, bench/RESULTS.md)."""
+    """torch.compile each decoder layer for the training forward/backward (the first step compiles). With
+    forward=native (GPU and CPU): our layer function, fullgraph; static shapes on GPU (padded widths rounded to
+    quarter-octave buckets, packed rows to the token budget), one dynamic-shape graph on CPU; with forward=hf
+    (GPU only): HF's decoder layers (measured slower in the e2e update, bench/RESULTS.md)."""
     autocast: Literal["off", "bfloat16", "float16"] = "off"
     """Run the training forward under torch.autocast in this dtype (weights, gradients and Adam state stay in
     model.dtype); on CPU bf16 autocast measured 1.2x faster updates for SmolLM2 (bench/RESULTS.md)."""

@@ -27,6 +27,7 @@ from fleetrl.algo.fused_logprobs import fused_logprobs_entropy
 from fleetrl.models.logprobs import EntropyMode, _chunk_stats, _lm_head, check_head_only
 
 PACK_ALIGN = 128  # flex attention's default block size
+CPU_ALIGN = 16  # rows on CPU: 8 groups of SmolLM2's arithmetic GRPO took 3,072 token slots at 128, 2,880 at 16
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,9 @@ class PackedForward:
     share_prompts: bool = False
     # The longest sample the run can make (prompt + response limits): the varlen kernel's static length bound.
     max_segment: int = 0
+    # Rows of a dense or the model's own attention round up to a multiple of this: few static shapes for a GPU
+    # compile; on CPU (eager, or one dynamic-shape compile) every pad token is only waste (`CPU_ALIGN`).
+    align: int = PACK_ALIGN
 
     @staticmethod
     def choose_attention(name: str, device: torch.device) -> str | None:
@@ -199,10 +203,10 @@ class PackedForward:
         """flex_attention compiles a kernel (and its block mask) per row length, ~tens of seconds each on an H200:
         measured, a 6-step e2e with rows rounded to 128 was still compiling after 240 s. So with flex every row is
         padded to the budget itself (one shape; an oversized single sample takes a multiple of it), trading the
-        unfilled tail of the last micro-batch for a single compile. Elsewhere rows round up to PACK_ALIGN."""
+        unfilled tail of the last micro-batch for a single compile. Elsewhere rows round up to `align`."""
         if self.attention in ("flex_attention", "varlen"):  # varlen: the compiled layer's shape is the row's
             return -(-self.max_tokens // PACK_ALIGN) * PACK_ALIGN
-        return PACK_ALIGN
+        return self.align
 
     def token_slots(self, prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor,
                     prompts_BP: torch.Tensor | None = None) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
 from fleetrl.models.lora import apply_lora, store_frozen_base
 from fleetrl.models.native import NativeForward
-from fleetrl.models.packing import PackedForward, padded_token_slots
+from fleetrl.models.packing import CPU_ALIGN, PACK_ALIGN, PackedForward, padded_token_slots
 from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.layout import pad_response, update_micro_batches
 from fleetrl.workers.messages import CorrectionSpec, Extreme, MiniBatchCounts, UpdateMetrics, UpdateSpec
@@ -83,20 +83,22 @@ def packed_forward(ctx: WorkerContext, native: bool = False) -> PackedForward | 
         # Shared-prompt rows as flex blocks are mostly partial blocks (measured 0.61 s updates against 0.49 s with
         # varlen); plain packed rows keep flex, measured on long-tailed lengths (bench/RESULTS.md).
         attention = "varlen"
-    return PackedForward(max_tokens=ctx.plan.micro_batch_tokens, fused_chunk=a.fused_logprob_chunk,
+    align = CPU_ALIGN if ctx.device().type == "cpu" else PACK_ALIGN
+    return PackedForward(max_tokens=ctx.plan.micro_batch_tokens, fused_chunk=a.fused_logprob_chunk, align=align,
                          attention=attention, share_prompts=native and a.share_prompts,
                          max_segment=ctx.cfg.data.max_prompt_length + ctx.cfg.rollout.max_response_tokens)
 
 
 def native_forward(ctx: WorkerContext, model: torch.nn.Module, packed: PackedForward | None,
                    chunk: int | None) -> NativeForward | None:
-    """Our own decoder forward (actor.forward=native; models/decoder.py), layers compiled under actor.compile on
-    GPU; None for HF's modelling code."""
+    """Our own decoder forward (actor.forward=native; models/decoder.py), layers compiled by Inductor under
+    actor.compile (static shapes on GPU, one dynamic-shape graph on CPU); None for HF's modelling code."""
     a = ctx.cfg.actor
     if a.forward != "native":
         return None
-    backend = "inductor" if a.compile and ctx.device().type == "cuda" else None
-    return NativeForward(NativeDecoder(model, compile_backend=backend), packed=packed, chunk=chunk,
+    on_cpu = ctx.device().type == "cpu"
+    decoder = NativeDecoder(model, compile_backend="inductor" if a.compile else None, dynamic=on_cpu)
+    return NativeForward(decoder, packed=packed, chunk=chunk,
                          fused_chunk=a.fused_logprob_chunk)
 
 

@@ -158,6 +158,28 @@ def test_compiled_packed_layer_with_dense_mask_matches_eager():
     torch._dynamo.reset()
 
 
+def test_dynamic_compiled_packed_layer_serves_every_row_length_with_one_compile():
+    # CPU compiles the layer with dynamic shapes (workers/actor.py:native_forward): packed rows of any length, here
+    # 80 and 112 tokens at align 16, run through the graphs of the first call, with eager's numbers. (A row as long
+    # as one of the model's own sizes, 32 or 48 here, would be specialised to it by dynamo's duck sizing.)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = MODELS["llama_untied"]()
+    compiled = NativeDecoder(model, compile_backend="aot_eager", dynamic=True)
+    short = _batch([12, 10, 8, 6], [14, 10, 6, 4], P=12, R=14)
+    long = _batch([12, 12, 12, 12], [14, 14, 14, 14], P=12, R=14)
+    _assert_same(_loss_and_grads(model, _packed(compiled, align=16), short),
+                 _loss_and_grads(model, _packed(NativeDecoder(model), align=16), short))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    _assert_same(_loss_and_grads(model, _packed(compiled, align=16), long),
+                 _loss_and_grads(model, _packed(NativeDecoder(model), align=16), long))
+    assert counters["stats"]["unique_graphs"] == graphs, "a new row length recompiled the layer"
+    torch._dynamo.reset()
+
+
 def test_lora_projections_go_through_peft_and_get_gradients():
     from fleetrl.config.schema import LoraConfig
     from fleetrl.models.lora import apply_lora

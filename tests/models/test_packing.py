@@ -70,6 +70,30 @@ def _batch(prompt_lens, response_lens, P=6, R=7, vocab=40, seed=0):
             torch.randint(4, vocab, (B, R), generator=g) * rm, rm)
 
 
+def test_a_frozen_head_is_cast_once_and_again_after_an_in_place_change():
+    from fleetrl.algo.fused_logprobs import cast_head
+
+    w = torch.randn(10, 4)
+    first = cast_head(w, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and cast_head(w, torch.bfloat16) is first  # kept between calls
+    w.add_(1.0)  # a weight sync writes in place
+    again = cast_head(w, torch.bfloat16)
+    assert again is not first and torch.equal(again, w.bfloat16())
+    trained = torch.randn(10, 4, requires_grad=True)  # a trained head changes every step: never kept
+    assert cast_head(trained, torch.bfloat16) is not cast_head(trained, torch.bfloat16)
+    assert cast_head(w, torch.float32) is w
+
+
+def test_rows_round_up_to_the_forwards_alignment():
+    from fleetrl.models.packing import CPU_ALIGN, PackedForward
+
+    pm, rm = torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 1, 0], [1, 1, 1]])
+    # 6 prompt + 5 response tokens = 11 real: 128 slots at GPU alignment, 16 on CPU; flex rows take the budget
+    assert PackedForward(max_tokens=300).token_slots(pm, rm) == (11, PACK_ALIGN)
+    assert PackedForward(max_tokens=300, align=CPU_ALIGN).token_slots(pm, rm) == (11, 16)
+    assert PackedForward(max_tokens=300, attention="flex_attention", align=CPU_ALIGN).token_slots(pm, rm) == (11, 384)
+
+
 def test_pack_layout_by_hand():
     # Sample 0: prompt [a b] response [c]; sample 1: prompt [d] response [e f]. Packed row: a b c d e f + 122 pads.
     pr, pm = torch.tensor([[11, 12], [0, 14]]), torch.tensor([[1, 1], [0, 1]])
