@@ -482,11 +482,11 @@ def _packing(cfg: RunConfig) -> int | None:
     if chunk is not None and chunk < 1:
         raise ConfigError(f"actor.fused_logprob_chunk={chunk} must be a positive token count (e.g. 4096) or null")
     _one_of("actor.packed_attention", a.packed_attention,
-            ["auto", "varlen", "flex_attention", "flash_attention_2", "flash_attention_3", "sdpa", "eager"])
-    if a.packed_attention == "varlen" and a.forward != "native":
-        raise ConfigError("actor.packed_attention=varlen is the native forward's (models/varlen.py); with "
-                          "actor.forward=hf choose auto, flex_attention, flash_attention_2, sdpa or eager, or set "
-                          "actor.forward=native")
+            ["auto", "varlen", "segments", "flex_attention", "flash_attention_2", "flash_attention_3", "sdpa", "eager"])
+    if a.packed_attention in ("varlen", "segments") and a.forward != "native":
+        raise ConfigError(f"actor.packed_attention={a.packed_attention} is the native forward's (models/"
+                          f"{a.packed_attention}.py); with actor.forward=hf choose auto, flex_attention, "
+                          "flash_attention_2, sdpa or eager, or set actor.forward=native")
     if budget is not None and a.sharding == "fsdp2":
         # The packed forward calls the backbone and LM head directly, outside the root FSDP2 module's hooks.
         raise ConfigError("algorithm.micro_batch_tokens (packed forward) does not support actor.sharding=fsdp2 "

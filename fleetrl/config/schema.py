@@ -220,9 +220,9 @@ class ActorConfig:
     packed_attention: str = "auto"
     """Attention of packed forwards. forward=hf: the transformers implementation: auto (flex_attention on GPU,
     the model's own on CPU) | flex_attention | flash_attention_2 | sdpa | eager (sdpa/eager build a dense tokens²
-    mask). forward=native: auto (on GPU varlen with share_prompts, else flex_attention; a dense mask on CPU) |
-    varlen (torch's flash varlen kernel, one sequence per prompt or response, models/varlen.py) | flex_attention |
-    sdpa (dense)."""
+    mask). forward=native: auto (on GPU varlen with share_prompts, else flex_attention; segments on CPU) |
+    varlen (torch's flash varlen kernel, one sequence per prompt or response, models/varlen.py) | segments (the
+    same sequences padded into one batched attention, models/segments.py) | flex_attention | sdpa (dense)."""
     forward: Literal["hf", "native"] = "hf"
     """Modelling code of the actor's log-prob forwards: hf (transformers' own, any causal LM) | native (our own
     pure-torch Llama/Qwen2 decoder, models/decoder.py: reads the HF modules' parameters in place, so LoRA,

@@ -32,7 +32,8 @@ from torch.utils.checkpoint import checkpoint
 from fleetrl.engines.fast.arch import SUPPORTED_MODEL_TYPES, DecoderSpec, read_spec
 from fleetrl.engines.fast.forward import apply_rope, rms_norm  # HF's ops, shared with decode
 from fleetrl.errors import UserError
-from fleetrl.models import varlen
+from fleetrl.models import segments, varlen
+from fleetrl.models.segments import PaddedSegments
 from fleetrl.models.varlen import VarlenSegments
 
 try:  # torch >= 2.5; absent builds fall back to the dense mask
@@ -40,7 +41,7 @@ try:  # torch >= 2.5; absent builds fall back to the dense mask
 except ImportError:  # pragma: no cover
     BlockMask = create_block_mask = flex_attention = None  # type: ignore[assignment,misc]
 
-Mask = torch.Tensor | VarlenSegments | None  # or a flex BlockMask
+Mask = torch.Tensor | VarlenSegments | PaddedSegments | None  # or a flex BlockMask
 
 
 class NativeForwardError(UserError, ValueError):
@@ -83,6 +84,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> to
         return _flex(q.device.type)(q, k, v, block_mask=mask, enable_gqa=True)
     if isinstance(mask, VarlenSegments):
         return varlen.attend(q, k, v, mask)
+    if isinstance(mask, PaddedSegments):
+        return segments.attend(q, k, v, mask)
     if mask is None:  # flash SDPA takes GQA directly when there is no mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     # With a mask, CUDA's SDPA would fall back to its math kernel for GQA; expand the KV heads instead (as HF's
@@ -129,18 +132,24 @@ class NativeDecoder:
     def __init__(self, model: nn.Module, *, compile_backend: str | None = None, dynamic: bool = False) -> None:
         self.spec = check_supported(model)
         self.layer_fn: Callable[..., torch.Tensor] = decoder_layer
+        self.compiled = compile_backend is not None
         if compile_backend is not None:
             # Every (micro-batch rows, bucketed width) pair is one static-shape compile of this one function; a
             # long-tailed run meets ~10 of them, past dynamo's default limit of 8, after which it would silently
             # run the layer eagerly.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self.layer_fn = torch.compile(decoder_layer, backend=compile_backend, fullgraph=True, dynamic=dynamic)
+            compiled = torch.compile(decoder_layer, backend=compile_backend, fullgraph=True, dynamic=dynamic)
+            self.layer_fn = _without_duck_sizing(compiled) if dynamic else compiled
 
     def hidden(self, model: nn.Module, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor,
                mask: Mask = None) -> torch.Tensor:
         """Final-norm hidden states [B, L, D]. mask: None = causal within each row, a bool [B|1, 1, L, L] (True =
         attend) or a flex BlockMask. Layers are checkpointed when the HF model has gradient checkpointing on."""
         x = model.model.embed_tokens(input_ids_BL)
+        if self.compiled and torch.is_grad_enabled() and not x.requires_grad:
+            # A frozen embedding (LoRA): without this the first layer's input alone would not require grad, and
+            # dynamo would compile a second graph for it (~25 s on 2 CPU cores) to save one small input gradient.
+            x = x.detach().requires_grad_()
         cos, sin = rope_cos_sin(model, position_ids_BL, x.dtype)
         recompute = _checkpointing(model) and model.training and torch.is_grad_enabled()
         for layer in model.model.layers:
@@ -149,6 +158,17 @@ class NativeDecoder:
             else:
                 x = self.layer_fn(layer, x, cos, sin, self.spec, mask)
         return rms_norm(x, model.model.norm.weight, self.spec.rms_eps)
+
+
+def _without_duck_sizing(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` traced with one symbol per input size. Why: dynamo's duck sizing gives sizes that are equal at the first
+    trace one symbol, so a row or segment length that happened to equal a model size (576, 64) would be specialised
+    to it, and the next length would recompile the layer (~20-40 s on 2 CPU cores)."""
+    @functools.wraps(fn)
+    def call(*args: object, **kwargs: object) -> torch.Tensor:
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return fn(*args, **kwargs)
+    return call
 
 
 def _checkpointing(model: nn.Module) -> bool:
@@ -163,11 +183,16 @@ def packed_mask(doc_N: torch.Tensor, seg_N: torch.Tensor, kind: str = "dense", m
     """Who attends to whom in a packed row (models/packing.py `Packed`): query q sees key kv <= q of its own doc
     whose segment is 0 (the doc's prompt) or q's own, i.e. causal within a sample, and with shared prompts each
     response sees its prompt and itself, never a sibling. kind: "dense" (bool [1, 1, N, N]), "flex" (a BlockMask:
-    work ∝ real blocks) or "varlen" (segments for the flash varlen kernel, models/varlen.py, their length bounds
-    at least `max_segment`)."""
+    work ∝ real blocks), "varlen" (segments for the flash varlen kernel, models/varlen.py, their length bounds
+    at least `max_segment`) or "segments" (padded segments, models/segments.py; dense where padding would cost
+    more)."""
     N = doc_N.shape[0]
     if kind == "varlen":
         return varlen.segments(doc_N, seg_N, floor=max_segment)
+    if kind == "segments":
+        padded = segments.build(doc_N, seg_N)
+        if padded is not None:
+            return padded
     if kind == "flex":
         def shared_prefix_causal(b, h, q, kv):  # noqa: ANN001, ANN202 - flex's mask_mod signature
             return (doc_N[q] == doc_N[kv]) & (kv <= q) & ((seg_N[kv] == 0) | (seg_N[kv] == seg_N[q]))

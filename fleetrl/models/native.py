@@ -89,7 +89,7 @@ def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
                            attention: str = "dense", align: int = PACK_ALIGN, share_prompts: bool = False,
                            max_segment: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `packed_logprobs`, through `decoder`; attention: how the row's samples are kept apart (`packed_mask`:
-    dense, flex or varlen; max_segment: the varlen kernel's length bound, models/varlen.py).
+    dense, flex, varlen or segments; max_segment: the varlen kernel's length bound, models/varlen.py).
     share_prompts: consecutive samples with one prompt run it once (`pack`)."""
     if temperature <= 0:
         raise ValueError(f"packed_native_logprobs: temperature must be > 0, got {temperature}")
@@ -103,7 +103,7 @@ def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
 
 def _mask_kind(attention: str | None) -> str:
     """The native forward's `packed_mask` kind for an actor.packed_attention choice."""
-    return {"flex_attention": "flex", "varlen": "varlen"}.get(attention or "", "dense")
+    return {"flex_attention": "flex", "varlen": "varlen", "segments": "segments"}.get(attention or "", "dense")
 
 
 @dataclass(frozen=True)

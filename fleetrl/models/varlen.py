@@ -48,11 +48,22 @@ class VarlenSegments:
     max_k: int
 
 
-def segments(doc_N: torch.Tensor, seg_N: torch.Tensor, floor: int = 0) -> VarlenSegments:
+@dataclass(frozen=True)
+class SegmentRuns:
+    """A packed row's segments before any padding (`segment_runs`): segment s has queries [start, start + q_len)
+    of the row and keys kv_index[k_start : k_start + k_len] (row indices: its doc's prompt first for a response)."""
+
+    start_S: torch.Tensor    # [S] long
+    q_len_S: torch.Tensor    # [S] long
+    k_start_S: torch.Tensor  # [S] long
+    k_len_S: torch.Tensor    # [S] long
+    kv_index: torch.Tensor   # [K] long
+
+
+def segment_runs(doc_N: torch.Tensor, seg_N: torch.Tensor) -> SegmentRuns:
     """From a packed row's doc / segment ids (models/packing.py `Packed`): a segment is a run of one (doc, seg);
     a seg-0 run (a prompt, or the alignment pad) attends to itself, any other run to its doc's seg-0 run first.
-    Packing puts each doc's prompt first, so its seg-0 run is the doc's first run. floor: the lowest max_q / max_k
-    (a longer segment raises them to its power of two: correct, at the cost of a recompile)."""
+    Packing puts each doc's prompt first, so its seg-0 run is the doc's first run."""
     N = doc_N.shape[0]
     new = torch.ones(N, dtype=torch.bool, device=doc_N.device)
     new[1:] = (doc_N[1:] != doc_N[:-1]) | (seg_N[1:] != seg_N[:-1])
@@ -65,15 +76,23 @@ def segments(doc_N: torch.Tensor, seg_N: torch.Tensor, floor: int = 0) -> Varlen
     prompt_len_D[doc_S[is_prompt_S]] = q_len_S[is_prompt_S]
     prefix_S = torch.where(is_prompt_S, 0, prompt_len_D[doc_S])
     k_len_S = prefix_S + q_len_S
-    zero = q_len_S.new_zeros(1)
-    q_cu, k_cu = torch.cat([zero, q_len_S.cumsum(0)]), torch.cat([zero, k_len_S.cumsum(0)])
+    k_start_S = k_len_S.cumsum(0) - k_len_S
     # Key t of segment s: prefix token t (t < prefix), else its own token t - prefix.
     seg_K = torch.repeat_interleave(torch.arange(len(start_S), device=doc_N.device), k_len_S)
-    t_K = torch.arange(int(k_cu[-1]), device=doc_N.device) - k_cu[seg_K]
+    t_K = torch.arange(int(k_len_S.sum()), device=doc_N.device) - k_start_S[seg_K]
     kv_index = torch.where(t_K < prefix_S[seg_K], prompt_start_D[doc_S[seg_K]] + t_K,
                            start_S[seg_K] + t_K - prefix_S[seg_K])
-    max_q, max_k = (int(x) for x in torch.stack([q_len_S.max(), k_len_S.max()]).tolist())
-    return VarlenSegments(_pad_cu(q_cu), _pad_cu(k_cu), _pad_index(kv_index), max(floor, _pow2(max_q)),
+    return SegmentRuns(start_S, q_len_S, k_start_S, k_len_S, kv_index)
+
+
+def segments(doc_N: torch.Tensor, seg_N: torch.Tensor, floor: int = 0) -> VarlenSegments:
+    """The varlen kernel's segments of a packed row (`segment_runs`). floor: the lowest max_q / max_k (a longer
+    segment raises them to its power of two: correct, at the cost of a recompile)."""
+    runs = segment_runs(doc_N, seg_N)
+    zero = runs.q_len_S.new_zeros(1)
+    q_cu, k_cu = torch.cat([zero, runs.q_len_S.cumsum(0)]), torch.cat([zero, runs.k_len_S.cumsum(0)])
+    max_q, max_k = (int(x) for x in torch.stack([runs.q_len_S.max(), runs.k_len_S.max()]).tolist())
+    return VarlenSegments(_pad_cu(q_cu), _pad_cu(k_cu), _pad_index(runs.kv_index), max(floor, _pow2(max_q)),
                           max(floor, _pow2(max_k)))
 
 

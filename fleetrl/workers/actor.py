@@ -83,6 +83,10 @@ def packed_forward(ctx: WorkerContext, native: bool = False) -> PackedForward | 
         # Shared-prompt rows as flex blocks are mostly partial blocks (measured 0.61 s updates against 0.49 s with
         # varlen); plain packed rows keep flex, measured on long-tailed lengths (bench/RESULTS.md).
         attention = "varlen"
+    elif native and a.packed_attention == "auto" and ctx.device().type == "cpu":
+        # CPU SDPA over the dense block-diagonal mask visits every pair of the row (models/segments.py: 35 ms
+        # against 7.8 ms per layer's attention, forward and backward, on a GRPO row).
+        attention = "segments"
     align = CPU_ALIGN if ctx.device().type == "cpu" else PACK_ALIGN
     return PackedForward(max_tokens=ctx.plan.micro_batch_tokens, fused_chunk=a.fused_logprob_chunk, align=align,
                          attention=attention, share_prompts=native and a.share_prompts,

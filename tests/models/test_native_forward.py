@@ -96,7 +96,7 @@ def test_padded_native_equals_hf_logprobs_entropy_and_gradients(name):
 
 @pytest.mark.parametrize("name", ["qwen2_tied_bias", "llama_untied"])
 @pytest.mark.parametrize("fused", [None, 5])
-@pytest.mark.parametrize("attention", ["dense", "varlen"])
+@pytest.mark.parametrize("attention", ["dense", "varlen", "segments"])
 def test_packed_native_equals_hf_packed(name, fused, attention):
     model = MODELS[name]()
     want = _loss_and_grads(model, packed_logprobs, _batch(*BATCH), fused_chunk=fused, attention="sdpa")
@@ -158,25 +158,27 @@ def test_compiled_packed_layer_with_dense_mask_matches_eager():
     torch._dynamo.reset()
 
 
-def test_dynamic_compiled_packed_layer_serves_every_row_length_with_one_compile():
-    # CPU compiles the layer with dynamic shapes (workers/actor.py:native_forward): packed rows of any length, here
-    # 80 and 112 tokens at align 16, run through the graphs of the first call, with eager's numbers. (A row as long
-    # as one of the model's own sizes, 32 or 48 here, would be specialised to it by dynamo's duck sizing.)
+@pytest.mark.parametrize("attention", ["dense", "segments"])
+def test_dynamic_compiled_packed_layer_serves_every_row_length_with_one_compile(attention):
+    # CPU compiles the layer with dynamic shapes (workers/actor.py:native_forward): packed rows of any length run
+    # through the graphs of the first call, with eager's numbers. The first row is 48 tokens at align 16, one of the
+    # model's own sizes (its MLP width): with dynamo's duck sizing it would have been specialised to 48, and the
+    # next length recompiled (NativeDecoder traces without duck sizing).
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     model = MODELS["llama_untied"]()
     compiled = NativeDecoder(model, compile_backend="aot_eager", dynamic=True)
-    short = _batch([12, 10, 8, 6], [14, 10, 6, 4], P=12, R=14)
+    short = _batch([12, 10, 8, 6], [4, 4, 3, 1], P=12, R=14)
     long = _batch([12, 12, 12, 12], [14, 14, 14, 14], P=12, R=14)
-    _assert_same(_loss_and_grads(model, _packed(compiled, align=16), short),
-                 _loss_and_grads(model, _packed(NativeDecoder(model), align=16), short))
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs >= 1
-    _assert_same(_loss_and_grads(model, _packed(compiled, align=16), long),
-                 _loss_and_grads(model, _packed(NativeDecoder(model), align=16), long))
-    assert counters["stats"]["unique_graphs"] == graphs, "a new row length recompiled the layer"
+    graphs = []
+    for batch in (short, long):
+        _assert_same(_loss_and_grads(model, _packed(compiled, align=16, attention=attention), batch),
+                     _loss_and_grads(model, _packed(NativeDecoder(model), align=16, attention=attention), batch))
+        graphs.append(counters["stats"]["unique_graphs"])
+    # One graph for every layer (the first layer's input is made to require grad like the others').
+    assert graphs == [1, 1], "a new row length, or the first layer, compiled another graph"
     torch._dynamo.reset()
 
 
@@ -248,7 +250,7 @@ def _shared_batch():
 
 @pytest.mark.parametrize("name", ["qwen2_tied_bias", "llama_untied"])
 @pytest.mark.parametrize("fused", [None, 5])
-@pytest.mark.parametrize("attention", ["dense", "varlen"])  # varlen: on CPU its per-segment SDPA reference
+@pytest.mark.parametrize("attention", ["dense", "varlen", "segments"])  # varlen: on CPU its per-segment SDPA
 def test_shared_prompt_packed_native_equals_padded_hf(name, fused, attention):
     model = MODELS[name]()
     adv = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])[:, None]
