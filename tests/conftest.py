@@ -11,6 +11,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
+# The fused head's per-chunk math is one Inductor kernel on CPU (algo/fused_logprobs.py), a C++ compile of ~10 s per
+# process and dtype. The tests of the log-prob paths compare the eager ops with references;
+# tests/models/test_packing.py checks the compiled kernels against the eager ops, and the SmolLM2 learning test
+# trains through them.
+from fleetrl.algo import fused_logprobs  # noqa: E402
+
+fused_logprobs.FUSE_ON_CPU = False
+
 
 # The most expensive modules, costliest first (seconds on the 2-core CI VM at -n 3: `--durations` of the CI runs of
 # 2026-11-23). CI runs `-n 3 --dist loadfile` with `--no-loadscope-reorder` (pyproject addopts), so xdist hands

@@ -65,9 +65,46 @@ def cast_head(weight_VH: Tensor, compute: torch.dtype) -> Tensor:
     return cached[2]
 
 
-def _chunk_logits(h_cH: Tensor, w_VH: Tensor, temperature: float, compute: torch.dtype) -> Tensor:
-    """z = W h / T for one chunk, [c, V] fp32."""
-    return (h_cH.to(compute) @ w_VH.to(compute).t()).float() / temperature
+# CPU: a chunk's softmax statistics and its logit gradient as one Inductor kernel each. Why: the torch ops below
+# pass over the [c, V] fp32 logits ~15 times per chunk (cast, scale, logsumexp, exp, entropy, the gradient's
+# in-place steps), each at a few GB/s on a 2-core VM: ~2 s of SmolLM2's 9.5 s LoRA update (bench/RESULTS.md,
+# "Eleventh session"). GPUs keep the eager in-place ops: their chunks are large (4096 x 152k fp32 = 2.5 GB), and
+# the in-place sequence bounds them to two such buffers.
+def _stats_math(z_cV: Tensor, tgt_c: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """(log p at the targets, entropy) [c] fp32 from the unscaled logits z [c, V] in the compute dtype."""
+    z = z_cV.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, tgt_c[:, None]).squeeze(-1) - lse
+    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else torch.zeros_like(lse)
+    return logp, ent
+
+
+def _grad_math(z_cV: Tensor, tgt_c: Tensor, g_logp_c: Tensor, g_ent_c: Tensor, ent_c: Tensor, temperature: float,
+               with_entropy: bool) -> Tensor:
+    """dL/d(W h) [c, V] in z's dtype: (g_logp (onehot - p) - g_H p (log p + H)) / T (module docstring)."""
+    logp = torch.log_softmax(z_cV.float() / temperature, dim=-1)
+    p = logp.exp()
+    onehot = torch.arange(z_cV.shape[1], device=z_cV.device)[None, :] == tgt_c[:, None]
+    g = g_logp_c[:, None] * (onehot.float() - p)
+    if with_entropy:
+        g = g - g_ent_c[:, None] * p * (logp + ent_c[:, None])
+    return (g / temperature).to(z_cV.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(name: str) -> object:
+    if name not in _COMPILED:  # dynamic: one graph for every chunk length (the last chunk is shorter)
+        _COMPILED[name] = torch.compile({"stats": _stats_math, "grad": _grad_math}[name], dynamic=True)
+    return _COMPILED[name]
+
+
+def _fused_on(device: torch.device) -> bool:
+    return device.type == "cpu" and FUSE_ON_CPU
+
+
+FUSE_ON_CPU = True  # tests set it False to check the compiled chunk math against the eager ops
 
 
 class _FusedLogprobs(torch.autograd.Function):
@@ -79,13 +116,10 @@ class _FusedLogprobs(torch.autograd.Function):
         ent = torch.zeros(n, dtype=torch.float32, device=hidden_NH.device)
         w = cast_head(weight_VH, compute)  # one cast for all chunks (as autocast caches it)
         tgt = targets_N.long()
-        for s in range(0, n, chunk):
-            z = _chunk_logits(hidden_NH[s:s + chunk], w, temperature, compute)
-            lse = torch.logsumexp(z, dim=-1)
-            logp[s:s + chunk] = z.gather(-1, tgt[s:s + chunk, None]).squeeze(-1) - lse
-            if with_entropy:  # H = lse - sum_j p_j z_j, the sum as a batched dot product (no [c, V] product)
-                p = (z - lse[:, None]).exp_()
-                ent[s:s + chunk] = lse - torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
+        stats = _compiled("stats") if _fused_on(hidden_NH.device) else _eager_stats
+        for s, e in _chunks(n, chunk):
+            z = hidden_NH[s:e].to(compute) @ w.t()
+            logp[s:e], ent[s:e] = stats(z, tgt[s:e], temperature, with_entropy)
         ctx.save_for_backward(hidden_NH, weight_VH, tgt, ent)
         ctx.cfg = (temperature, chunk, compute, with_entropy)
         return logp, ent
@@ -99,22 +133,51 @@ class _FusedLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden_NH) if need_h else None
         grad_w = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
         g_logp = g_logp.float() if g_logp is not None else torch.zeros_like(ent)
-        for s in range(0, hidden_NH.shape[0], chunk):
-            h = hidden_NH[s:s + chunk]
-            # dL/dz = g_logp (onehot - p) - g_H p (log p + H), built in z's buffer: two [c, V] fp32 alive
-            z = _chunk_logits(h, w, temperature, compute)
-            z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # z is log p now
-            p = z.exp()
-            if with_entropy and g_ent is not None:
-                z.add_(ent[s:s + chunk, None]).mul_(p).mul_(-g_ent[s:s + chunk, None].float())
-            else:
-                z.zero_()
-            g_z = z.addcmul_(p, g_logp[s:s + chunk, None], value=-1.0)
-            del p
-            g_z.scatter_add_(-1, tgt[s:s + chunk, None], g_logp[s:s + chunk, None])
-            g_z = g_z.div_(temperature).to(compute)
+        with_entropy = with_entropy and g_ent is not None
+        g_ent = g_ent.float() if with_entropy else torch.zeros_like(ent)
+        grad = _compiled("grad") if _fused_on(hidden_NH.device) else _eager_grad
+        for s, e in _chunks(hidden_NH.shape[0], chunk):
+            h = hidden_NH[s:e]
+            g_z = grad(h.to(compute) @ w.t(), tgt[s:e], g_logp[s:e], g_ent[s:e], ent[s:e], temperature, with_entropy)
             if need_h:
-                grad_h[s:s + chunk] = (g_z @ w).to(hidden_NH.dtype)
+                grad_h[s:e] = (g_z @ w).to(hidden_NH.dtype)
             if need_w:
                 grad_w += (g_z.t() @ h.to(compute)).float()
         return grad_h, (grad_w.to(weight_VH.dtype) if need_w else None), None, None, None, None, None
+
+
+def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of n rows; a 1-row remainder is joined by a row of the chunk before it. Why:
+    dynamo specialises a size of 1, so a 1-row chunk would recompile the CPU kernels (~10 s) mid-run."""
+    bounds = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1 and chunk > 2:
+        (s0, e0), (_, e1) = bounds[-2], bounds[-1]
+        bounds[-2:] = [(s0, e0 - 1), (e0 - 1, e1)]
+    return bounds
+
+
+def _eager_stats(z_cV: Tensor, tgt_c: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """As `_stats_math`, by torch ops that keep at most two [c, V] fp32 buffers alive (GPU chunks are large)."""
+    z = z_cV.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, tgt_c[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, torch.zeros_like(lse)
+    p = (z - lse[:, None]).exp_()  # H = lse - sum_j p_j z_j, the sum as a batched dot product (no [c, V] product)
+    return logp, lse - torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
+
+
+def _eager_grad(z_cV: Tensor, tgt_c: Tensor, g_logp_c: Tensor, g_ent_c: Tensor, ent_c: Tensor, temperature: float,
+                with_entropy: bool) -> Tensor:
+    """As `_grad_math`, built in place in the fp32 logits' buffer: two [c, V] fp32 alive."""
+    z = z_cV.float() / temperature
+    z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # z is log p now
+    p = z.exp()
+    if with_entropy:
+        z.add_(ent_c[:, None]).mul_(p).mul_(-g_ent_c[:, None])
+    else:
+        z.zero_()
+    g_z = z.addcmul_(p, g_logp_c[:, None], value=-1.0)
+    del p
+    g_z.scatter_add_(-1, tgt_c[:, None], g_logp_c[:, None])
+    return g_z.div_(temperature).to(z_cV.dtype)

@@ -26,7 +26,10 @@ ARITH = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "allow_parentheses": F
 STEPS = 12
 
 
-def test_smollm2_grpo_raises_arithmetic_reward(tmp_path):
+def test_smollm2_grpo_raises_arithmetic_reward(tmp_path, monkeypatch):
+    from fleetrl.algo import fused_logprobs
+
+    monkeypatch.setattr(fused_logprobs, "FUSE_ON_CPU", True)  # the CPU path users get (tests/conftest.py)
     data = tmp_path / "data"
     make_data("basic_arithmetic", data, n_train=256, n_val=32, seed=0, options=ARITH)
     records = train_run("examples/grpo_smollm2_lora.yaml", tmp_path / "run", f"data.train={data / 'train.parquet'}",

@@ -45,6 +45,41 @@ def test_fused_logprobs_and_entropy_match_reference_values_and_grads(chunk):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # Inductor's C++ compile of the two chunk kernels, ~20 s on 2 cores
+def test_compiled_cpu_chunk_math_equals_the_eager_ops(monkeypatch):
+    from fleetrl.algo import fused_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(10, 8, generator=g).requires_grad_()
+    w = torch.randn(50, 8, generator=g)  # frozen, as under LoRA
+    t = torch.randint(0, 50, (10,), generator=g)
+    gl, ge = torch.randn(10, generator=g), torch.randn(10, generator=g)
+
+    def run(compiled, autocast, entropy_grad=True):
+        monkeypatch.setattr(fused_logprobs, "FUSE_ON_CPU", compiled)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            lp, ent = fused_logprobs_entropy(h, w, t, temperature=0.7, chunk=3)  # a short last chunk
+        loss = (lp * gl).sum() + ((ent * ge).sum() if entropy_grad else 0)
+        return lp, ent, torch.autograd.grad(loss, h)[0]
+
+    ref_lp, ref_ent = _reference(h, w, t, 0.7)
+    ref_grad = torch.autograd.grad((ref_lp * gl + ref_ent * ge).sum(), h)[0]
+    for got, want in zip(run(True, False), (ref_lp, ref_ent, ref_grad)):  # fp32: the reference's numbers
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for entropy_grad in (True, False):  # bf16 logits: as the eager ops round them
+        for got, want in zip(run(True, True, entropy_grad), run(False, True, entropy_grad)):
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_fused_chunks_never_leave_a_one_row_remainder():
+    from fleetrl.algo.fused_logprobs import _chunks
+
+    assert _chunks(10, 3) == [(0, 3), (3, 6), (6, 8), (8, 10)]  # 3 3 3 1 -> 3 3 2 2
+    assert _chunks(9, 3) == [(0, 3), (3, 6), (6, 9)]
+    assert _chunks(5, 4) == [(0, 3), (3, 5)]
+    assert _chunks(1, 4) == [(0, 1)]  # one row in all: nothing to join
+
+
 def test_fused_logprobs_of_a_uniform_head_are_minus_log_v():
     # W = 0: every logit is 0, so p = 1/V: logp = -log 50 = -3.912, entropy = log 50, for any target.
     lp, ent = fused_logprobs_entropy(torch.randn(4, 8), torch.zeros(50, 8), torch.tensor([0, 1, 2, 49]), chunk=3)
