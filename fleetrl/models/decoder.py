@@ -14,7 +14,8 @@ engine's `read_spec` (fleetrl/engines/fast/arch.py), which validates the same fa
 
 Attention: padded rows are compacted so each row's real tokens come first (see `padded_native_logprobs`), after
 which plain causal SDPA with no mask is exact for them; packed rows (fleetrl/models/packing.py) attend within
-their sample through a flex-attention BlockMask (GPU) or a dense block-diagonal causal mask (CPU, tests).
+their sample through a flex-attention BlockMask or varlen segments (GPU), padded segments (CPU,
+models/segments.py) or a dense block-diagonal causal mask (the fallback, tests).
 
 Not supported (config validation says so): FSDP2-sharded actors (this forward calls the backbone's submodules
 directly, outside the root module's FSDP2 hooks, like the packed path) and attention dropout.
@@ -89,7 +90,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> to
     if mask is None:  # flash SDPA takes GQA directly when there is no mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     # With a mask, CUDA's SDPA would fall back to its math kernel for GQA; expand the KV heads instead (as HF's
-    # sdpa integration does). Only the dense packed mask (CPU, or packed_attention=sdpa) comes here.
+    # sdpa integration does). Only the dense packed mask (packed_attention=sdpa, or the segments fallback) comes here.
     group = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                           attn_mask=mask)
