@@ -28,7 +28,7 @@ fused_logprobs.FUSE_ON_CPU = False
 LONGEST_FIRST = (
     "tests/integration/test_netns_hosts.py",         # ~400: 4 runs, each with its own 2-host Ray cluster
     "tests/sweep/test_sweep_e2e.py",                 # ~280: sweeps of CLI subprocesses
-    "tests/integration/test_smollm2_learning.py",    # ~250: 12 GRPO steps of a 135M model
+    "tests/integration/test_smollm2_learning.py",    # ~160 alone, ~300 in CI: 12 GRPO steps of a 135M model
     "tests/integration/test_tool_learning.py",       # ~200: 2 seeds x 60 steps
     "tests/integration/test_learning.py",            # ~180: 3 estimators x 80 steps
     "tests/integration/test_learning_ratio.py",      # ~160: PPO+GAE 120 steps, GSPO 80 steps
