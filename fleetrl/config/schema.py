@@ -216,7 +216,8 @@ class ActorConfig:
     fused_logprob_chunk: int | None = None
     """Tokens per chunk of the fused LM-head + log-softmax + entropy pass of packed forwards and of the padded
     `forward: native` (algo/fused_logprobs.py: no [tokens, vocab] tensor is kept for backward); None = plain LM
-    head. `logprob_chunk` applies to the other padded forwards."""
+    head. On CPU each chunk's softmax math is one Inductor kernel, compiled at the first step (~10 s).
+    `logprob_chunk` applies to the other padded forwards."""
     packed_attention: str = "auto"
     """Attention of packed forwards. forward=hf: the transformers implementation: auto (flex_attention on GPU,
     the model's own on CPU) | flex_attention | flash_attention_2 | sdpa | eager (sdpa/eager build a dense tokens²
