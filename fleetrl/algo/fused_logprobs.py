@@ -17,7 +17,9 @@ states' dtype), softmax statistics in fp32, as `head(h).float()` does under auto
 """
 from __future__ import annotations
 
+import functools
 import weakref
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -65,46 +67,20 @@ def cast_head(weight_VH: Tensor, compute: torch.dtype) -> Tensor:
     return cached[2]
 
 
-# CPU: a chunk's softmax statistics and its logit gradient as one Inductor kernel each. Why: the torch ops below
-# pass over the [c, V] fp32 logits ~15 times per chunk (cast, scale, logsumexp, exp, entropy, the gradient's
-# in-place steps), each at a few GB/s on a 2-core VM: ~2 s of SmolLM2's 9.5 s LoRA update (bench/RESULTS.md,
-# "Eleventh session"). GPUs keep the eager in-place ops: their chunks are large (4096 x 152k fp32 = 2.5 GB), and
-# the in-place sequence bounds them to two such buffers.
-def _stats_math(z_cV: Tensor, tgt_c: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
-    """(log p at the targets, entropy) [c] fp32 from the unscaled logits z [c, V] in the compute dtype."""
-    z = z_cV.float() / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, tgt_c[:, None]).squeeze(-1) - lse
-    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else torch.zeros_like(lse)
-    return logp, ent
+# CPU: each chunk's softmax statistics and logit gradient (`_stats`, `_grad`) run as one Inductor kernel each.
+# Why: eagerly their torch ops pass over the [c, V] fp32 logits ~15 times per chunk, each at a few GB/s on a 2-core
+# VM: ~2 s of SmolLM2's 9.5 s LoRA update (bench/RESULTS.md, "Eleventh session"). GPUs run them eagerly: their
+# chunks are large (4096 x 152k fp32 = 2.5 GB), and the in-place ops bound them to two such buffers.
+FUSE_ON_CPU = True  # tests/conftest.py sets it False; tests/models/test_packing.py checks compiled == eager
 
 
-def _grad_math(z_cV: Tensor, tgt_c: Tensor, g_logp_c: Tensor, g_ent_c: Tensor, ent_c: Tensor, temperature: float,
-               with_entropy: bool) -> Tensor:
-    """dL/d(W h) [c, V] in z's dtype: (g_logp (onehot - p) - g_H p (log p + H)) / T (module docstring)."""
-    logp = torch.log_softmax(z_cV.float() / temperature, dim=-1)
-    p = logp.exp()
-    onehot = torch.arange(z_cV.shape[1], device=z_cV.device)[None, :] == tgt_c[:, None]
-    g = g_logp_c[:, None] * (onehot.float() - p)
-    if with_entropy:
-        g = g - g_ent_c[:, None] * p * (logp + ent_c[:, None])
-    return (g / temperature).to(z_cV.dtype)
+@functools.cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=True)  # dynamic: one graph for every chunk length (the last is shorter)
 
 
-_COMPILED: dict[str, object] = {}
-
-
-def _compiled(name: str) -> object:
-    if name not in _COMPILED:  # dynamic: one graph for every chunk length (the last chunk is shorter)
-        _COMPILED[name] = torch.compile({"stats": _stats_math, "grad": _grad_math}[name], dynamic=True)
-    return _COMPILED[name]
-
-
-def _fused_on(device: torch.device) -> bool:
-    return device.type == "cpu" and FUSE_ON_CPU
-
-
-FUSE_ON_CPU = True  # tests set it False to check the compiled chunk math against the eager ops
+def _chunk_fn(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    return _compiled(fn) if device.type == "cpu" and FUSE_ON_CPU else fn
 
 
 class _FusedLogprobs(torch.autograd.Function):
@@ -116,7 +92,7 @@ class _FusedLogprobs(torch.autograd.Function):
         ent = torch.zeros(n, dtype=torch.float32, device=hidden_NH.device)
         w = cast_head(weight_VH, compute)  # one cast for all chunks (as autocast caches it)
         tgt = targets_N.long()
-        stats = _compiled("stats") if _fused_on(hidden_NH.device) else _eager_stats
+        stats = _chunk_fn(_stats, hidden_NH.device)
         for s, e in _chunks(n, chunk):
             z = hidden_NH[s:e].to(compute) @ w.t()
             logp[s:e], ent[s:e] = stats(z, tgt[s:e], temperature, with_entropy)
@@ -135,7 +111,7 @@ class _FusedLogprobs(torch.autograd.Function):
         g_logp = g_logp.float() if g_logp is not None else torch.zeros_like(ent)
         with_entropy = with_entropy and g_ent is not None
         g_ent = g_ent.float() if with_entropy else torch.zeros_like(ent)
-        grad = _compiled("grad") if _fused_on(hidden_NH.device) else _eager_grad
+        grad = _chunk_fn(_grad, hidden_NH.device)
         for s, e in _chunks(hidden_NH.shape[0], chunk):
             h = hidden_NH[s:e]
             g_z = grad(h.to(compute) @ w.t(), tgt[s:e], g_logp[s:e], g_ent[s:e], ent[s:e], temperature, with_entropy)
@@ -156,8 +132,9 @@ def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _eager_stats(z_cV: Tensor, tgt_c: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
-    """As `_stats_math`, by torch ops that keep at most two [c, V] fp32 buffers alive (GPU chunks are large)."""
+def _stats(z_cV: Tensor, tgt_c: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """(log p at the targets, entropy) [c] fp32 from one chunk's unscaled logits z [c, V] in the compute dtype; at
+    most two [c, V] fp32 buffers alive."""
     z = z_cV.float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, tgt_c[:, None]).squeeze(-1) - lse
@@ -167,9 +144,10 @@ def _eager_stats(z_cV: Tensor, tgt_c: Tensor, temperature: float, with_entropy: 
     return logp, lse - torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
 
 
-def _eager_grad(z_cV: Tensor, tgt_c: Tensor, g_logp_c: Tensor, g_ent_c: Tensor, ent_c: Tensor, temperature: float,
-                with_entropy: bool) -> Tensor:
-    """As `_grad_math`, built in place in the fp32 logits' buffer: two [c, V] fp32 alive."""
+def _grad(z_cV: Tensor, tgt_c: Tensor, g_logp_c: Tensor, g_ent_c: Tensor, ent_c: Tensor, temperature: float,
+          with_entropy: bool) -> Tensor:
+    """dL/d(W h) [c, V] in z's dtype: (g_logp (onehot - p) - g_H p (log p + H)) / T (module docstring), built in
+    place in the fp32 logits' buffer: two [c, V] fp32 alive."""
     z = z_cV.float() / temperature
     z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # z is log p now
     p = z.exp()
