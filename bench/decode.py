@@ -2,6 +2,9 @@
 
   PYTHONPATH=. python bench/decode.py --engines fast,hf --out $OUT        # full grid (GPU)
   PYTHONPATH=. python bench/decode.py --check-only --out $OUT              # GPU correctness checks only
+  PYTHONPATH=. python bench/decode.py --engines fast --pdl on,off --repeats 3   # PDL A/B (module docstring of
+                                                                                # engines/fast/triton_kernels.py)
+  PYTHONPATH=. python bench/decode.py --longtail --group 8                 # continuous vs static batching
 
 Workload: random-init Qwen2.5 shapes in bf16, B random 128-token prompts, exactly N new tokens (no EOS), plain
 temperature-1 sampling (the RL setting). Throughput = B * N / wall time of the whole call (prefill included).
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import longtail  # noqa: E402
 from bench.common import (  # noqa: E402
     build_qwen2,
     copy_bandwidth,
@@ -63,7 +67,8 @@ def run_fast(model, args, batch: int, new: int, eng: FastRolloutEngine) -> tuple
     # Warm-up at the timed length: the KV cache is sized per call, so a shorter warm-up left its growth (and
     # the re-capture of the graphs that read it) inside the timed call (the first row of each shape, 2026-11-23).
     eng.generate(ids, mask, SamplingParams(max_new_tokens=new, temperature=1.0, seed=0))
-    total = wall_time(lambda: eng.generate(ids, mask, SamplingParams(max_new_tokens=new, seed=1)), args.device)
+    total = wall_time(lambda: eng.generate(ids, mask, SamplingParams(max_new_tokens=new, seed=1)), args.device,
+                      args.repeats)
     first = wall_time(lambda: eng.generate(ids, mask, SamplingParams(max_new_tokens=1, seed=1)), args.device, 3)
     return total, first
 
@@ -82,9 +87,11 @@ def bench(args, ceilings: dict, save) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     for shape in args.shapes.split(","):
         model = build_qwen2(shape, dtype, args.device)
-        for engine in args.engines.split(","):
+        for engine, pdl in [(e, p) for e in args.engines.split(",") for p in (args.pdl if e == "fast" else ["-"])]:
             eng = None
             if engine == "fast":
+                from fleetrl.engines.fast import triton_kernels
+                triton_kernels.PDL = pdl == "on"  # read when the engine builds its kernels
                 eng = FastRolloutEngine(model, None, device=args.device, max_batch=max(args.batches),
                                         max_seq_len=args.prompt_len + max(args.new_tokens), kernels=args.kernels,
                                         fuse_projections={"auto": None, "on": True, "off": False}[args.fuse])
@@ -94,7 +101,7 @@ def bench(args, ceilings: dict, save) -> list[dict]:
                     nbytes, flops = roofline(model, dtype, batch, args.prompt_len, new,
                                              args.group if engine == "fast" else 1)
                     decode_s = max(total - first, 1e-9)
-                    row = dict(shape=shape, engine=engine, fuse=args.fuse, batch=batch, group=args.group,
+                    row = dict(shape=shape, engine=engine, pdl=pdl, fuse=args.fuse, batch=batch, group=args.group,
                                new_tokens=new, seconds=total,
                                tokens_per_s=batch * new / total, decode_s=decode_s,
                                step_ms=1e3 * decode_s / (new - 1), roofline_s=nbytes / ceilings["copy_Bps"],
@@ -110,6 +117,81 @@ def bench(args, ceilings: dict, save) -> list[dict]:
         del model
         gc.collect()
     return rows
+
+
+def longtail_batching(args) -> list[dict]:
+    """Continuous against static batching on long-tailed response lengths (bench/longtail.py: mean ~300, max
+    --max-len). `requests` prompts (groups of --group samples) through an engine of max_batch = the largest
+    --batches. continuous: one call with each sample's drawn limit, so a finished slot takes the next waiting
+    prompt and the tail decodes in a compacted batch. static: calls of max_batch samples, each decoding every row
+    to its batch's longest drawn length (a batch ends with its longest response, as batch-at-a-time generate
+    does). Both produce the same useful tokens: the drawn lengths' sum."""
+    rows: list[dict] = []
+    for shape in args.shapes.split(","):
+        rows += _longtail_shape(args, shape, max(args.batches))
+        gc.collect()
+        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+    return rows
+
+
+def _longtail_shape(args, shape: str, batch: int) -> list[dict]:
+    model = build_qwen2(shape, getattr(torch, args.dtype), args.device)
+    eng = FastRolloutEngine(model, None, device=args.device, max_batch=batch,
+                            max_seq_len=args.prompt_len + args.max_len, kernels=args.kernels)
+    ids, mask = prompts_for(args.requests, args.prompt_len, model.config.vocab_size, args.device, args.group)
+    lengths = longtail.draw_lengths(args.requests, mean=longtail.DEFAULT_MEAN, max_len=args.max_len, seed=0, step=0)
+    chunks = [slice(i, i + batch) for i in range(0, args.requests, batch)]
+
+    def continuous() -> None:
+        eng.generate(ids, mask, SamplingParams(max_new_tokens=args.max_len, seed=1, max_new_tokens_per_sample=lengths))
+
+    def static() -> None:
+        for c in chunks:
+            eng.generate(ids[c], mask[c], SamplingParams(max_new_tokens=int(lengths[c].max()), seed=1))
+
+    useful, rows = int(lengths.sum()), []
+    for mode, fn in (("continuous", continuous), ("static", static)):
+        fn()  # warm-up: captures the graphs of every batch bucket the mode reaches
+        seconds = wall_time(fn, args.device, args.repeats)
+        decoded = useful if mode == "continuous" else sum(int(lengths[c].max()) * len(lengths[c]) for c in chunks)
+        rows.append(dict(shape=shape, mode=mode, requests=args.requests, group=args.group, max_batch=batch,
+                         mean_len=float(lengths.float().mean()), max_len=int(lengths.max()), seconds=seconds,
+                         useful_tokens=useful, useful_tokens_per_s=useful / seconds, sample_tokens_decoded=decoded,
+                         useful_frac=useful / decoded))
+        print(rows[-1], flush=True)
+    rows[0]["speedup_vs_static"] = rows[1]["seconds"] / rows[0]["seconds"]
+    if args.profile:
+        eng.stats = dict.fromkeys(eng.stats, 0)
+        rows[0]["profile"] = phase_profile(continuous)
+        rows[0]["engine_stats"] = dict(eng.stats)
+        print(rows[0]["profile"], rows[0]["engine_stats"], flush=True)
+    return rows
+
+
+def phase_profile(fn) -> dict[str, float]:  # noqa: ANN001
+    """One call of fn under the torch profiler: its wall time, the GPU's busy time, and the GPU's idle time split by
+    the engine phase (`engine.*` record_function ranges of engine.py) the host was in when each gap began."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    phases = [e for e in events if e.device_type.name == "CPU" and e.name.startswith("engine.")]
+    t0 = min(e.time_range.start for e in events if e.device_type.name == "CPU")
+    out: dict[str, float] = {"busy_s": 0.0}
+    end = t0
+    for s, e in kernels:
+        if s > end:
+            at = [p.name for p in phases if p.time_range.start <= end < p.time_range.end]
+            key = f"idle_s/{at[0] if at else 'outside'}"
+            out[key] = out.get(key, 0.0) + (s - end) / 1e6
+        out["busy_s"] += (e - max(s, end)) / 1e6 if e > end else 0.0
+        end = max(end, e)
+    out["window_s"] = (end - t0) / 1e6
+    return out
 
 
 def checks(args) -> dict:
@@ -320,15 +402,27 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="run the correctness checks first")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--check-shape", default="qwen2.5-0.5b")
-    p.add_argument("--profile", action="store_true", help="write profile.txt (kernel breakdown) and stop")
+    p.add_argument("--profile", action="store_true", help="write profile.txt (kernel breakdown) and stop; with "
+                   "--longtail: the GPU's idle time by engine phase in one continuous call")
     p.add_argument("--profile-shape", default="qwen2.5-0.5b")
+    p.add_argument("--pdl", type=lambda s: s.split(","), default=["on"],
+                   help="fast engine's programmatic dependent launch: on, off, or on,off for an A/B in one run")
+    p.add_argument("--repeats", type=int, default=1, help="timed calls per row (the median is kept)")
+    p.add_argument("--longtail", action="store_true", help="continuous vs static batching on long-tailed lengths")
+    p.add_argument("--requests", type=int, default=1024, help="--longtail: samples in all")
+    p.add_argument("--max-len", type=int, default=1024, help="--longtail: the most new tokens of a sample")
     p.add_argument("--tag", default="", help="suffix of the output file name")
     p.add_argument("--out", default=None, help="folder for decode_<engines>.json (default $OUT)")
     args = p.parse_args()
     out = out_dir(args.out)
     result: dict = {"info": device_info(args.device)}
-    if args.profile:
+    if args.profile and not args.longtail:
         profile(args, out)
+        return
+    if args.longtail:
+        rows = longtail_batching(args)
+        write_json(out / f"decode_longtail{args.tag}.json", {**result, "rows": rows})
+        print_table(rows, ["shape", "mode", "requests", "seconds", "useful_tokens_per_s", "useful_frac"])
         return
     if args.check or args.check_only:
         result["checks"] = checks(args)
@@ -341,7 +435,7 @@ def main() -> None:
     print("ceilings", ceilings, flush=True)
     path = out / f"decode_{args.engines.replace(',', '_')}{args.tag}.json"
     rows = bench(args, ceilings, lambda r: write_json(path, {**result, "rows": r}))  # saved row by row
-    print_table(rows, ["shape", "engine", "batch", "new_tokens", "tokens_per_s", "step_ms", "roofline_frac",
+    print_table(rows, ["shape", "engine", "pdl", "batch", "new_tokens", "tokens_per_s", "step_ms", "roofline_frac",
                        "achieved_GBps", "compute_floor_s", "roofline_s", "decode_s"])
 
 

@@ -26,6 +26,7 @@ from fleetrl.batch import Batch
 from fleetrl.workers import rollout
 
 SIGMA = 1.0
+DEFAULT_MEAN = 335.0  # lognormal mean before clipping at 1024: 300 after (module docstring)
 
 
 def draw_lengths(n: int, *, mean: float, max_len: int, seed: int, step: int) -> torch.Tensor:

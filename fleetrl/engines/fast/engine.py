@@ -28,6 +28,7 @@ from collections import deque
 from typing import Literal, Mapping
 
 import torch
+from torch.profiler import record_function  # names the phases in a profile (bench/decode.py --longtail --profile)
 
 from fleetrl import heartbeat
 from fleetrl.engines.fast.arch import (
@@ -251,29 +252,34 @@ class FastRolloutEngine:
             heartbeat.beat()
             if pending and free:
                 admit = [(heapq.heappop(free), pending.popleft()) for _ in range(min(len(free), len(pending)))]
-                self._prefill(buf, rows, admit, limits, key)
+                with record_function("engine.prefill"):
+                    self._prefill(buf, rows, admit, limits, key)
                 for slot, req in admit:
                     running[slot], length[slot], sampled[slot] = req, len(rows[req]), 1
             nb = bucket_for(max(running) + 1, buckets)
-            for _ in range(min(self.sync_every, max(limits[running[s]] - sampled[s] for s in running))):
-                self._decode(nb, max(length[s] + sampled[s] for s in running), key)
-                for s in running:
-                    sampled[s] = min(sampled[s] + 1, limits[running[s]])
+            with record_function("engine.decode"):
+                for _ in range(min(self.sync_every, max(limits[running[s]] - sampled[s] for s in running))):
+                    self._decode(nb, max(length[s] + sampled[s] for s in running), key)
+                    for s in running:
+                        sampled[s] = min(sampled[s] + 1, limits[running[s]])
             # as Python lists: indexing the tensor per slot cost ~8 µs each, 2 ms per sync at 256 slots while the
             # GPU waited for the next step (profiled on an H200: 16 syncs, ~35 ms of a 0.41 s generate call)
-            done, count = torch.stack((buf.done[:nb].long(), buf.count[:nb])).cpu().tolist()
+            with record_function("engine.sync"):
+                done, count = torch.stack((buf.done[:nb].long(), buf.count[:nb])).cpu().tolist()
             self.stats["syncs"] += 1
             finished = [s for s in running if done[s]]
             if finished:
-                buf.release(finished)  # before a prefill or a compaction reuses their rows
-                index = torch.tensor(finished, device=self.device)
-                parts.append(([running[s] for s in finished], buf.out_tok[index, :max_new],
-                               buf.out_lp[index, :max_new]))
-                for s in finished:
-                    counts[running.pop(s)] = count[s]
-                    heapq.heappush(free, s)
+                with record_function("engine.harvest"):
+                    buf.release(finished)  # before a prefill or a compaction reuses their rows
+                    index = torch.tensor(finished, device=self.device)
+                    parts.append(([running[s] for s in finished], buf.out_tok[index, :max_new],
+                                   buf.out_lp[index, :max_new]))
+                    for s in finished:
+                        counts[running.pop(s)] = count[s]
+                        heapq.heappush(free, s)
             if running and not pending:  # nothing to refill the freed slots with: shrink the decode batch instead
-                self._compact(buf, running, length, sampled, free, buckets)
+                with record_function("engine.compact"):
+                    self._compact(buf, running, length, sampled, free, buckets)
         reqs = [r for p in parts for r in p[0]]
         order = torch.empty(len(rows), dtype=torch.long)
         order[torch.tensor(reqs)] = torch.arange(len(rows))
