@@ -2,8 +2,6 @@
 
   PYTHONPATH=. python bench/decode.py --engines fast,hf --out $OUT        # full grid (GPU)
   PYTHONPATH=. python bench/decode.py --check-only --out $OUT              # GPU correctness checks only
-  PYTHONPATH=. python bench/decode.py --engines fast --pdl on,off --repeats 3   # PDL A/B (module docstring of
-                                                                                # engines/fast/triton_kernels.py)
   PYTHONPATH=. python bench/decode.py --longtail --group 8                 # continuous vs static batching
 
 Workload: random-init Qwen2.5 shapes in bf16, B random 128-token prompts, exactly N new tokens (no EOS), plain
@@ -87,11 +85,9 @@ def bench(args, ceilings: dict, save) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     for shape in args.shapes.split(","):
         model = build_qwen2(shape, dtype, args.device)
-        for engine, pdl in [(e, p) for e in args.engines.split(",") for p in (args.pdl if e == "fast" else ["-"])]:
+        for engine in args.engines.split(","):
             eng = None
             if engine == "fast":
-                from fleetrl.engines.fast import triton_kernels
-                triton_kernels.PDL = pdl == "on"  # read when the engine builds its kernels
                 eng = FastRolloutEngine(model, None, device=args.device, max_batch=max(args.batches),
                                         max_seq_len=args.prompt_len + max(args.new_tokens), kernels=args.kernels,
                                         fuse_projections={"auto": None, "on": True, "off": False}[args.fuse])
@@ -101,7 +97,7 @@ def bench(args, ceilings: dict, save) -> list[dict]:
                     nbytes, flops = roofline(model, dtype, batch, args.prompt_len, new,
                                              args.group if engine == "fast" else 1)
                     decode_s = max(total - first, 1e-9)
-                    row = dict(shape=shape, engine=engine, pdl=pdl, fuse=args.fuse, batch=batch, group=args.group,
+                    row = dict(shape=shape, engine=engine, fuse=args.fuse, batch=batch, group=args.group,
                                new_tokens=new, seconds=total,
                                tokens_per_s=batch * new / total, decode_s=decode_s,
                                step_ms=1e3 * decode_s / (new - 1), roofline_s=nbytes / ceilings["copy_Bps"],
@@ -405,8 +401,6 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="write profile.txt (kernel breakdown) and stop; with "
                    "--longtail: the GPU's idle time by engine phase in one continuous call")
     p.add_argument("--profile-shape", default="qwen2.5-0.5b")
-    p.add_argument("--pdl", type=lambda s: s.split(","), default=["on"],
-                   help="fast engine's programmatic dependent launch: on, off, or on,off for an A/B in one run")
     p.add_argument("--repeats", type=int, default=1, help="timed calls per row (the median is kept)")
     p.add_argument("--longtail", action="store_true", help="continuous vs static batching on long-tailed lengths")
     p.add_argument("--requests", type=int, default=1024, help="--longtail: samples in all")
@@ -435,7 +429,7 @@ def main() -> None:
     print("ceilings", ceilings, flush=True)
     path = out / f"decode_{args.engines.replace(',', '_')}{args.tag}.json"
     rows = bench(args, ceilings, lambda r: write_json(path, {**result, "rows": r}))  # saved row by row
-    print_table(rows, ["shape", "engine", "pdl", "batch", "new_tokens", "tokens_per_s", "step_ms", "roofline_frac",
+    print_table(rows, ["shape", "engine", "batch", "new_tokens", "tokens_per_s", "step_ms", "roofline_frac",
                        "achieved_GBps", "compute_floor_s", "roofline_s", "decode_s"])
 
 

@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof decodepdl decodelongtail
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof decodelongtail
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -122,9 +122,6 @@ for p in $PARTS; do case $p in
       --batches 256 --tag _unfused --out "$OUT" ;;
   decodeprof)  # per-step kernel time by part (fused projections on/off, graphs on/off), LM head and sampler alone
     run decode_profile 180 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --profile --out "$OUT" ;;
-  decodepdl)  # programmatic dependent launch on/off, interleaved twice in one process, batch 256/64 x 256 new tokens
-    run decode_pdl 300 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --engines fast --pdl on,off,on,off \
-      --batches 256,64 --new-tokens 256 --repeats 3 --tag _pdl --out "$OUT" ;;
   decodelongtail)  # continuous vs static batching: 1024 samples (128 prompts x 8), long-tailed lengths, max batch 256
     run decode_longtail 300 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --longtail --group 8 \
       --batches 256 --repeats 2 --out "$OUT" ;;

@@ -18,12 +18,6 @@ up to its own length.
                     the token in two exact stages (sampling.py): a block by inverse CDF over the block masses
                     (fp64), then a token within that block by the exponential race (Gumbel-max)
   step_update       append the sampled token, advance positions, update done flags (one launch)
-
-Programmatic dependent launch (PDL, sm_90+): every kernel here is launched with the attribute that lets the GPU
-start it while the kernel before it (a cuBLAS GEMM, mostly) is still draining, and its first instruction waits
-for that kernel to finish and its writes to be visible (`gdc_wait`). Inside a CUDA graph the ~1 us launch gap
-before each of these ~100 launches per decode step then overlaps the previous kernel's tail. Nothing is read or
-written before the wait, so the order of results is the same as without it; `PDL = False` turns it off.
 """
 from __future__ import annotations
 
@@ -33,13 +27,6 @@ import triton.language as tl
 
 from fleetrl.engines.fast.arch import DecoderSpec
 
-try:
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # a Triton without grid dependency control (< 3.4): launches stay ordinary
-    gdc_wait = None
-
-PDL = True  # module docstring; bench/decode.py --pdl off sets it False for an A/B
-
 ATTN_SPLIT = 256      # cache positions per split program
 ATTN_BLOCK_N = 64     # positions per inner tile
 SAMPLE_BLOCK_V = 4096  # logits per pass-1 program, and the block pass 2 draws its token from
@@ -47,10 +34,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before to finish
-        gdc_wait()
+def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -71,9 +55,7 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.c
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, lead_ptr, shared_ptr, o_ptr,
                         m_ptr, l_ptr, out_ptr, scale, s_slot, s_head, s_pos, s_q, s_kv, H: tl.constexpr,
                         KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before to finish
-        gdc_wait()
+                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // KVH).to(tl.int64)
@@ -144,9 +126,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, p
 
 @triton.jit
 def _decode_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                         S_PAD: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before to finish
-        gdc_wait()
+                         S_PAD: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, S_PAD)
     smask = sp < NSPLIT
@@ -160,9 +140,7 @@ def _decode_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, D: tl.constexpr, NSPLIT: 
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, s_in, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before to finish
-        gdc_wait()
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, s_in, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -174,10 +152,8 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, s_in, BLOCK: tl.constexpr, PDL
 
 @triton.jit
 def _sample_stats_kernel(x_ptr, stride, V, temp_ptr, bmax_ptr, bsum_ptr, bidx_ptr, NBLK,
-                         GREEDY: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                         GREEDY: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 1, grid (row, block): the block's max logit, sum of exp((x - max) / T), and (greedy) its argmax."""
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before to finish
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -202,11 +178,8 @@ def _race_sub_block(x_ptr, row, stride, V, m, c, cols, r):
 
 @triton.jit
 def _sample_select_kernel(x_ptr, stride, V, temp_ptr, seed_ptr, req_ptr, cnt_ptr, bmax_ptr, bsum_ptr, bidx_ptr,
-                          tok_ptr, lp_ptr, NBLK, GREEDY: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-                          PDL: tl.constexpr):
+                          tok_ptr, lp_ptr, NBLK, GREEDY: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 2, one program per row: log-sum-exp from the block stats, then the token (module docstring)."""
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before to finish
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NB_PAD)
     mask = i < NBLK
@@ -252,10 +225,7 @@ def _sample_select_kernel(x_ptr, stride, V, temp_ptr, seed_ptr, req_ptr, cnt_ptr
 
 @triton.jit
 def _step_update_kernel(tok_ptr, lp_ptr, done_ptr, count_ptr, limit_ptr, pos_ptr, tokens_ptr, out_tok_ptr,
-                        out_lp_ptr, stop_ptr, n, out_stride, N_STOP: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before to finish
-        gdc_wait()
+                        out_lp_ptr, stop_ptr, n, out_stride, N_STOP: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < n
     tok = tl.load(tok_ptr + r, mask=m, other=0)
@@ -286,9 +256,6 @@ class TritonKernels:
     def __init__(self, device: torch.device) -> None:
         on_gpu = device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 4
-        pdl = PDL and gdc_wait is not None and on_gpu and torch.cuda.get_device_capability(device)[0] >= 9
-        # the kernels' PDL flag, and the launch attribute that goes with it (module docstring)
-        self._pdl: dict[str, bool] = {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
     @staticmethod
     def supports(spec: DecoderSpec, dtype: torch.dtype) -> bool:
@@ -299,7 +266,7 @@ class TritonKernels:
                     out: torch.Tensor) -> None:
         n, hidden = x.shape
         _add_rmsnorm_kernel[(n,)](x, x if delta is None else delta, w, out, hidden, eps,
-                                  HAS_DELTA=delta is not None, BLOCK=_pow2(hidden), num_warps=4, **self._pdl)
+                                  HAS_DELTA=delta is not None, BLOCK=_pow2(hidden), num_warps=4)
 
     def attention_splits(self, nb: int, kv_heads: int, max_len: int) -> tuple[int, int]:
         """(splits, positions per split): split the cache span only as much as needed to give every SM about
@@ -329,10 +296,10 @@ class TritonKernels:
             kc.stride(2), q.stride(0), k.stride(0),
             H=spec.num_heads, KVH=spec.num_kv_heads, G=spec.group, G_PAD=max(16, _pow2(spec.group)),
             D=spec.head_dim, SPLIT=split, NSPLIT=nsplit, BLOCK_N=ATTN_BLOCK_N,
-            IEEE=q.dtype == torch.float32, num_warps=4, **self._pdl)
+            IEEE=q.dtype == torch.float32, num_warps=4)
         if nsplit > 1:
             _decode_merge_kernel[(nb * spec.num_heads,)](parts, m, lsum, out, D=spec.head_dim, NSPLIT=nsplit,
-                                                        S_PAD=max(2, _pow2(nsplit)), num_warps=2, **self._pdl)
+                                                        S_PAD=max(2, _pow2(nsplit)), num_warps=2)
         return out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -340,8 +307,7 @@ class TritonKernels:
         assert gate.stride() == up.stride() and gate.stride(1) == 1
         n, cols = gate.shape
         out = torch.empty(n, cols, dtype=gate.dtype, device=gate.device)
-        _silu_mul_kernel[(n, triton.cdiv(cols, 1024))](gate, up, out, cols, gate.stride(0), BLOCK=1024, num_warps=4,
-                                                       **self._pdl)
+        _silu_mul_kernel[(n, triton.cdiv(cols, 1024))](gate, up, out, cols, gate.stride(0), BLOCK=1024, num_warps=4)
         return out
 
     def step_update(self, tok: torch.Tensor, lp: torch.Tensor, done: torch.Tensor, count: torch.Tensor,
@@ -351,7 +317,7 @@ class TritonKernels:
         n = tok.shape[0]
         _step_update_kernel[(triton.cdiv(n, 256),)](tok, lp, done, count, limit, pos, tokens, out_tok, out_lp,
                                                    stop_ids, n, out_tok.stride(0), N_STOP=stop_ids.shape[0],
-                                                   BLOCK=256, num_warps=4, **self._pdl)
+                                                   BLOCK=256, num_warps=4)
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, req: torch.Tensor,
                count: torch.Tensor, *, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,10 +328,10 @@ class TritonKernels:
         bsum = torch.empty_like(bmax)
         bidx = torch.empty(n, nblk, dtype=torch.long, device=logits.device)
         _sample_stats_kernel[(n, nblk)](logits, logits.stride(0), vocab, temperature, bmax, bsum, bidx, nblk,
-                                        GREEDY=greedy, BLOCK_V=SAMPLE_BLOCK_V, num_warps=8, **self._pdl)
+                                        GREEDY=greedy, BLOCK_V=SAMPLE_BLOCK_V, num_warps=8)
         tok = torch.empty(n, dtype=torch.long, device=logits.device)
         lp = torch.empty(n, dtype=torch.float32, device=logits.device)
         _sample_select_kernel[(n,)](logits, logits.stride(0), vocab, temperature, seed, req, count, bmax, bsum, bidx,
                                     tok, lp, nblk, GREEDY=greedy, NB_PAD=max(2, _pow2(nblk)),
-                                    BLOCK_V=SAMPLE_BLOCK_V, num_warps=8, **self._pdl)
+                                    BLOCK_V=SAMPLE_BLOCK_V, num_warps=8)
         return tok, lp
