@@ -36,6 +36,7 @@ from bench.common import (  # noqa: E402
     wall_time,
     write_json,
 )
+from bench.e2e import kernel_report  # noqa: E402
 from fleetrl.engines.fast import FastRolloutEngine  # noqa: E402
 from fleetrl.engines.protocol import SamplingParams  # noqa: E402
 
@@ -160,11 +161,13 @@ def _longtail_shape(args, shape: str, batch: int) -> list[dict]:
         eng.stats = dict.fromkeys(eng.stats, 0)
         rows[0]["profile"] = phase_profile(continuous)
         rows[0]["engine_stats"] = dict(eng.stats)
-        print(rows[0]["profile"], rows[0]["engine_stats"], flush=True)
+        prof = rows[0]["profile"]
+        print("\n".join(prof["kernels"][:16]), {k: v for k, v in prof.items() if k != "kernels"},
+              rows[0]["engine_stats"], flush=True)
     return rows
 
 
-def phase_profile(fn) -> dict[str, float]:  # noqa: ANN001
+def phase_profile(fn) -> dict:  # noqa: ANN001
     """One call of fn under the torch profiler: its wall time, the GPU's busy time, and the GPU's idle time split by
     the engine phase (`engine.*` record_function ranges of engine.py) the host was in when each gap began."""
     from torch.profiler import ProfilerActivity, profile
@@ -177,7 +180,7 @@ def phase_profile(fn) -> dict[str, float]:  # noqa: ANN001
                      if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
     phases = [e for e in events if e.device_type.name == "CPU" and e.name.startswith("engine.")]
     t0 = min(e.time_range.start for e in events if e.device_type.name == "CPU")
-    out: dict[str, float] = {"busy_s": 0.0}
+    out: dict = {"busy_s": 0.0}
     end = t0
     for s, e in kernels:
         if s > end:
@@ -187,6 +190,7 @@ def phase_profile(fn) -> dict[str, float]:  # noqa: ANN001
         out["busy_s"] += (e - max(s, end)) / 1e6 if e > end else 0.0
         end = max(end, e)
     out["window_s"] = (end - t0) / 1e6
+    out["kernels"] = kernel_report(prof).splitlines()
     return out
 
 
