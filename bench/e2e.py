@@ -12,7 +12,8 @@ clipping at --max-len 1024 new tokens; bench/longtail.py documents the rule); lo
 Reported besides: padding waste = 1 - real tokens / token slots of the actor update's forwards (a padded
 micro-batch computes B × (longest prompt + longest response) slots, a packed one its real tokens rounded up
 to 128); update MFU = (6·N·tokens + 12·L·H_attn·Σ len²) / update time / dense bf16 peak (bench/README.md);
-peak GPU memory over the whole run (torch.cuda.max_memory_allocated, this process).
+peak GPU memory over the whole run, warm-up included (the workers' train/memory/gpu_peak_allocated_gib, max over
+steps and ranks).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--config", default="bench/e2e_grpo.yaml")
     ap.add_argument("--lengths", choices=("fixed", "longtail"), default="fixed")
-    ap.add_argument("--mean-len", type=float, default=335.0, help="lognormal mean before clipping (335: 300 after)")
+    ap.add_argument("--mean-len", type=float, default=longtail.DEFAULT_MEAN,
+                    help="lognormal mean before clipping (335: 300 after)")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench"))
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (for variants)")
@@ -75,8 +77,10 @@ def main() -> None:
     t0 = time.time()
     run_plan(plan, run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "train/time/step" in r][args.warmup:]
+    steps = [r for r in rows if "train/time/step" in r]
+    rows = steps[args.warmup:]
     result = summarize(rows, stats[-len(rows):] if stats else [], plan, args, overrides, t0)
+    result["peak_gpu_mem_gib"] = peak_gpu_mem_gib(steps)
     out = Path(args.out) / f"e2e_grpo_{g}gpu_{args.engine}{args.tag}.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"e2e GRPO {g} GPU(s), engine={args.engine}, lengths={args.lengths}: {result['step_s']:.2f} s/step, "
@@ -193,10 +197,19 @@ def summarize(rows: list[dict], stats: list[dict], plan, args, overrides: list[s
         "padding_waste": round(1 - real / slots, 4) if slots else None,
         "update_mfu": _update_mfu(stats or _fixed_length_stats(tokens, plan), phases["update_actor"],
                                   plan.config.model.path, device, g, body_tokens=real / len(rows) if real else None),
-        "peak_gpu_mem_gib": (torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None),
         "rollout_logprob_diff_mean": statistics.mean(r["train/rollout_logprob_diff_mean"] for r in rows),
         "wall_s": time.time() - t0, "overrides": overrides, "tag": args.tag,
     }
+
+
+def peak_gpu_mem_gib(steps: list[dict]) -> float | None:
+    """The largest per-step peak the workers logged. Not this process's torch.cuda.max_memory_allocated: the
+    workers reset it at every update report (workers/memory.py), and on the Ray backend this process holds no
+    model. What this process allocated after the last report still counts in the local backend."""
+    logged = [r["train/memory/gpu_peak_allocated_gib"] for r in steps if "train/memory/gpu_peak_allocated_gib" in r]
+    if torch.cuda.is_available():
+        logged.append(torch.cuda.max_memory_allocated() / 2**30)
+    return max(logged, default=None)
 
 
 def _fixed_length_stats(tokens: float, plan) -> list[dict]:  # noqa: ANN001

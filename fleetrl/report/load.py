@@ -17,12 +17,12 @@ from typing import Any
 
 import yaml
 
+from fleetrl.trainer.metric_names import is_machine_metric
+
 _SEGMENT_EVENTS = ("restart", "resumed")
 # Config keys that differ between runs without making them different settings.
 _NOT_A_SETTING = ("trainer.seed", "trainer.output_dir", "trainer.resume", "trainer.name", "cluster.num_cpus",
                   "tracking.")
-# Metrics that measure the machine, not the learning: excluded when checking that two runs are the same.
-_NONDETERMINISTIC = ("time/", "tokens_per_s", "worker_call_overhead")
 
 
 @dataclass
@@ -126,7 +126,7 @@ def same_metrics(a: Run, b: Run) -> str | None:
     for step in sorted(set(a.steps) & set(b.steps)):
         ra, rb = a.steps[step], b.steps[step]
         for k in sorted(set(ra) | set(rb)):
-            if any(p in k for p in _NONDETERMINISTIC):
+            if is_machine_metric(k):  # timings and memory peaks: the machine, not the learning
                 continue
             va, vb = ra.get(k), rb.get(k)
             if va != vb and not (va is not None and vb is not None and math.isnan(va) and math.isnan(vb)):

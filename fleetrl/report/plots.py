@@ -15,14 +15,15 @@ from matplotlib.ticker import MaxNLocator
 from fleetrl.report.load import Run
 from fleetrl.report.stats import band
 
-# Ordered: rewards first (overall, then per data_source), then the policy's health, then throughput.
+# Ordered: rewards first (overall, then per data_source), then the policy's health, then throughput and memory.
 METRIC_PATTERNS = (
     r"val/reward_mean", r"train/reward_mean", r"val/pass@\d+",
     r"val/(?!reward_mean|pass@).+/mean@\d+", r"train/reward/.+/mean",
     r"train/kl", r"train/actor/approx_kl", r"train/actor/kl_loss", r"train/entropy",
     r"train/response_length_mean", r"train/response_clip_ratio", r"train/actor/clip_frac",
     r"train/actor/grad_norm", r"train/actor/pg_loss", r"train/critic/.+loss", r"train/critic/grad_norm",
-    r"train/time/step", r"train/time/(?!step).+", r"train/tokens_per_s",
+    # memory before the per-phase timings, which are many and may meet MAX_PLOTS first
+    r"train/time/step", r"train/tokens_per_s", r"train/memory/gpu_.+", r"train/memory/.+", r"train/time/(?!step).+",
 )
 MAX_PLOTS = 30
 

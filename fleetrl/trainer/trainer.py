@@ -204,11 +204,11 @@ class Trainer:
         return batch.with_tensors(advantages=adv.float(), returns=ret.float())
 
     def update(self, batch: Batch) -> dict[str, float]:
-        metrics: dict[str, float] = {}
+        reports: list[list[UpdateMetrics]] = []  # per role, per rank
         if self.plan.use_critic:
             with self._timed("update_critic"):
                 critic_batch = batch.pick(*SEQ_KEYS, "values", "returns", self.plan.action_mask)
-                metrics.update(self._update_role("critic", critic_batch, Worker.update_critic))
+                reports.append(self._update_role("critic", critic_batch, Worker.update_critic))
         if self.plan.actor_updates_at(self.step):
             keys = [*SEQ_KEYS, "advantages", "rollout_logprobs"]
             keys += ["old_logprobs"] if self.plan.recompute_logprobs else []
@@ -216,10 +216,10 @@ class Trainer:
             keys += ["is_weights"] if self.plan.correction_on_controller else []
             keys += ["loss_mask"] if self.cfg.algorithm.overlong.mask_truncated or self.cfg.rollout.env else []
             with self._timed("update_actor"):
-                metrics.update(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
-        return {f"train/{k}": v for k, v in metrics.items()}
+                reports.append(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
+        return {f"train/{k}": v for k, v in UpdateMetrics.reduce_roles(reports).items()}
 
-    def _update_role(self, role: str, batch: Batch, method: Callable) -> dict[str, float]:
+    def _update_role(self, role: str, batch: Batch, method: Callable) -> list[UpdateMetrics]:
         truncated = role == "actor" and self.cfg.algorithm.overlong.mask_truncated
         loss_mask = "loss_mask" if truncated else self.plan.action_mask
         parts, minis = arrange_update(batch, self.plan.num_mini_batches, self.plan.world[role],
@@ -230,7 +230,7 @@ class Trainer:
                           is_weights=actor and self.plan.correction_on_controller, loss_mask=loss_mask,
                           correction=CorrectionSpec(mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
                           if actor and self.plan.correction_in_loss else None)
-        return UpdateMetrics.reduce(self.group(role).call_parts(method, parts, spec))
+        return self.group(role).call_parts(method, parts, spec)
 
     def sync(self) -> None:
         """Publishes the new actor weights to the rollout engines (in place when colocated)."""

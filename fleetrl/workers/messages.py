@@ -110,6 +110,20 @@ class UpdateMetrics:
         out.update({k: v.value for k, v in combine_extremes(m.extremes for m in per_rank).items()})
         return out
 
+    @staticmethod
+    def reduce_roles(per_role: Sequence[Sequence["UpdateMetrics"]]) -> dict[str, float]:
+        """`reduce` of each role's ranks; an extreme that several roles report under one name (the workers' memory
+        peaks, workers/memory.py) is combined over all of them rather than taken from the last role."""
+        out: dict[str, float] = {}
+        for per_rank in per_role:
+            out.update(UpdateMetrics.reduce(per_rank))
+        out.update({k: v.value for k, v in combine_extremes(m.extremes for r in per_role for m in r).items()})
+        return out
+
+    def with_extremes(self, extra: Mapping[str, Extreme]) -> "UpdateMetrics":
+        """A copy with `extra` added to the extremes (a name already there is replaced)."""
+        return UpdateMetrics(shares=self.shares, same=self.same, extremes=FrozenDict({**self.extremes, **extra}))
+
     @classmethod
     def of(cls, shares: Mapping[str, float], same: Mapping[str, float],
            extremes: Mapping[str, Extreme] | None = None) -> "UpdateMetrics":

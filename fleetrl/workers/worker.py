@@ -20,6 +20,7 @@ from fleetrl.batch import Batch
 from fleetrl.engines.training import DistInfo
 from fleetrl.netif import socket_ifname_env
 from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.memory import memory_peaks
 from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
 
 
@@ -120,10 +121,18 @@ class Worker:
         return self._need("reward_model").score(batch)
 
     def update_actor(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
-        return self._need("actor").update(batch, spec)
+        return self._with_memory(self._need("actor").update(batch, spec))
 
     def update_critic(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
-        return self._need("critic").update(batch, spec)
+        return self._with_memory(self._need("critic").update(batch, spec))
+
+    def _with_memory(self, metrics: UpdateMetrics) -> UpdateMetrics:
+        """Adds this process's memory peaks (workers/memory.py) since its previous update report: everything it
+        did in between counts (generate, log-probs, values, the update), since peaks are per process, not per
+        role. A worker hosting both critic and actor splits its step between the two reports, which the
+        controller combines by max. Pools with no trained role (a separate rollout or reward-model pool) report
+        none."""
+        return metrics.with_extremes(memory_peaks(self.ctx.device()))
 
     def mark_weights_version(self, version: int) -> None:
         """Colocated rollout: the engine already reads the actor's parameters; only the version moves."""

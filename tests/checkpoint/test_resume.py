@@ -7,6 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fleetrl.checkpoint.manager import find_resume
+from fleetrl.trainer.metric_names import is_machine_metric
 from tests.integration.helpers import train_run
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ def _weights(ckpt, role):
 
 
 def _steps(records, lo, hi):
-    return [{k: v for k, v in r.items() if "/time/" not in k and "tokens_per_s" not in k}
+    return [{k: v for k, v in r.items() if not is_machine_metric(k)}
             for r in records if "event" not in r and lo <= r["step"] <= hi and any(k.startswith("train/") for k in r)]
 
 

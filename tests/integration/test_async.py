@@ -12,6 +12,7 @@ import pytest
 
 from fleetrl.config import derive_plan, load_config
 from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.metric_names import is_machine_metric
 from fleetrl.trainer.schedule import staleness_bound_holds
 from fleetrl.trainer.trainer import Trainer
 from tests.integration.helpers import train_run, val_curve
@@ -20,12 +21,12 @@ SPLIT = ("cluster.pools={train: {cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0
          "cluster.roles={actor: train, rollout: gen}")
 SHORT = ("model.path=tiny:", "data.prompts_per_step=8", "algorithm.micro_batch_size=16", "trainer.val_every=0",
          "trainer.val_before_train=false", "actor.optim.lr=0.01")
-# What differs between two runs with equal numbers: wall-clock times, and the async-only diagnostics.
-TIMING = ("train/time/", "train/tokens_per_s", "train/async/")
+# What differs between two runs with equal numbers: the machine metrics, and the async-only diagnostics.
+ASYNC_ONLY = "train/async/"
 
 
 def _numbers(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records
+    return [{k: v for k, v in r.items() if not (is_machine_metric(k) or k.startswith(ASYNC_ONLY))} for r in records
             if "train/reward_mean" in r]
 
 

@@ -1,6 +1,7 @@
 """The same seed gives identical metrics in two runs on CPU (through real Ray workers)."""
 import pytest
 
+from fleetrl.trainer.metric_names import is_machine_metric
 from tests.integration.helpers import train_run
 
 pytestmark = pytest.mark.slow
@@ -9,7 +10,7 @@ ARGS = ("trainer.total_steps=4", "trainer.val_every=2", "data.prompts_per_step=8
 
 
 def _strip_timing(records):
-    return [{k: v for k, v in r.items() if "/time/" not in k and "tokens_per_s" not in k} for r in records]
+    return [{k: v for k, v in r.items() if not is_machine_metric(k)} for r in records]
 
 
 def test_same_seed_same_metrics(tmp_path, ray_local):

@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 from fleetrl.cluster.weight_sync import broadcast_weights
 from fleetrl.config import derive_plan, load_config
 from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.metric_names import is_machine_metric
 from fleetrl.trainer.trainer import Trainer
 from fleetrl.workers.worker import Worker
 from tests.integration.helpers import train_run, val_curve
@@ -57,7 +58,7 @@ def _saved(ckpt, role):
 
 
 def _steps(records, lo, hi):
-    return [{k: v for k, v in r.items() if "/time/" not in k and "tokens_per_s" not in k}
+    return [{k: v for k, v in r.items() if not is_machine_metric(k)}
             for r in records if "event" not in r and lo <= r["step"] <= hi and any(k.startswith("train/") for k in r)]
 
 

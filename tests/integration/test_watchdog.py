@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from fleetrl.trainer.metric_names import is_machine_metric
 from tests.integration.helpers import read_metrics, train_run
 
 pytestmark = pytest.mark.slow
@@ -101,7 +102,7 @@ def test_sigterm_checkpoints_and_resume_matches_a_straight_run(tmp_path, ray_loc
     resumed = train_run("examples/quickstart.yaml", tmp_path / "run", *BASE, *steps, "trainer.resume=auto")
 
     def numbers(records, after):
-        return {r["step"]: {k: v for k, v in r.items() if "time" not in k and "tokens_per_s" not in k}
+        return {r["step"]: {k: v for k, v in r.items() if not is_machine_metric(k)}
                 for r in records if "train/reward_mean" in r and r["step"] > after}
     assert numbers(resumed, stopped) == numbers(straight, stopped)
     assert set(numbers(resumed, stopped)) == set(range(stopped + 1, 7))

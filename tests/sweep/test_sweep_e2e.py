@@ -12,11 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fleetrl.trainer.metric_names import is_machine_metric
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["trainer.total_steps=5", "trainer.val_every=3", "trainer.save_every=2"]
 CHROMIUM = "/usr/bin/chromium"
-# Metrics that measure the machine (timings, throughput), not the learning: excluded from exact comparisons.
-MACHINE = ("time/", "tokens_per_s", "worker_call_overhead")
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 def _last_learning_record(run_dir: Path) -> dict:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     last = [x for x in lines if "event" not in x][-1]
-    return {k: v for k, v in last.items() if not any(m in k for m in MACHINE)}
+    return {k: v for k, v in last.items() if not is_machine_metric(k)}  # timings, memory: not the learning
 
 
 @pytest.fixture(scope="module")

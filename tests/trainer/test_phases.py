@@ -95,6 +95,10 @@ def test_each_phase_adds_its_keys_on_policy(on_policy: Trainer):
     assert "train/entropy" in metrics and "train/rollout_logprob_diff_mean" in metrics
     assert "train/actor/pg_loss" in metrics and "train/actor/grad_norm" in metrics
     assert all(math.isfinite(v) for v in metrics.values())
+    # the worker's peak memory since its last report (this process: the local backend), > 10 MiB with torch loaded
+    assert metrics["train/memory/rss_peak_gib"] >= 0.01
+    on_gpu = t.plan.pools[t.plan.roles["actor"]].uses_gpu and torch.cuda.is_available()
+    assert ("train/memory/gpu_peak_allocated_gib" in metrics) == on_gpu
 
 
 def test_kl_uses_rollout_logprobs_when_not_recomputed(on_policy: Trainer):
