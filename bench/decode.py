@@ -36,7 +36,7 @@ from bench.common import (  # noqa: E402
     wall_time,
     write_json,
 )
-from bench.e2e import kernel_report  # noqa: E402
+from bench.e2e import device_spans, kernel_report  # noqa: E402
 from fleetrl.engines.fast import FastRolloutEngine  # noqa: E402
 from fleetrl.engines.protocol import SamplingParams  # noqa: E402
 
@@ -176,8 +176,7 @@ def phase_profile(fn) -> dict:  # noqa: ANN001
         fn()
         torch.cuda.synchronize() if torch.cuda.is_available() else None
     events = prof.events()
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    kernels = device_spans(prof)
     phases = [e for e in events if e.device_type.name == "CPU" and e.name.startswith("engine.")]
     t0 = min(e.time_range.start for e in events if e.device_type.name == "CPU")
     out: dict = {"busy_s": 0.0}

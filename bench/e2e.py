@@ -133,9 +133,22 @@ KERNEL_KINDS = (("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "ma
                 ("copy/cast", ("copy", "cast", "convert", "to_copy")), ("triton/fused", ("triton",)))
 
 
+def is_annotation(e) -> bool:  # noqa: ANN001
+    """A record_function range (e.g. engine.py's `engine.decode`) as the profiler mirrors it on the GPU timeline:
+    it spans kernels and the gaps between them, so counting it as a kernel hides the GPU's idle time."""
+    return bool(getattr(e, "is_user_annotation", False)) or e.key.startswith("engine.")
+
+
+def device_spans(prof) -> list[tuple[float, float]]:  # noqa: ANN001
+    """(start, end) in µs of every kernel, copy and memset the profile recorded, in start order."""
+    return sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                  if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start and not is_annotation(e))
+
+
 def kernel_report(prof) -> str:  # noqa: ANN001
     """Device time by kernel kind and the 30 most expensive kernels (one profiled update)."""
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0
+               and not is_annotation(e)]
     total = sum(e.self_device_time_total for e in kernels)
     kinds: dict[str, float] = {}
     for e in kernels:
@@ -153,8 +166,7 @@ def kernel_report(prof) -> str:  # noqa: ANN001
 def idle_report(prof) -> str:  # noqa: ANN001
     """How long the GPU sat idle during the profiled call, and its 15 longest gaps with the host op that was
     running when each began: where the host, not the GPU, set the pace."""
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    kernels = device_spans(prof)
     host = [e for e in prof.events() if e.device_type.name == "CPU"]
     if not kernels or not host:
         return "no kernels or host events recorded\n"

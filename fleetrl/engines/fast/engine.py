@@ -250,18 +250,19 @@ class FastRolloutEngine:
         buf.done.fill_(True)
         while pending or running:
             heartbeat.beat()
-            if pending and free:
-                admit = [(heapq.heappop(free), pending.popleft()) for _ in range(min(len(free), len(pending)))]
+            admit = [(heapq.heappop(free), pending.popleft()) for _ in range(min(len(free), len(pending)))]
+            # Live slots decode first when prompts are admitted: the GPU works through these steps while the
+            # host issues the prefill's eager ops (~10 ms of launches at 0.5B), instead of idling behind them
+            # (bench/RESULTS.md, "GPU speed, eighth round"). The admitted join for the rest of the round.
+            ahead = self.sync_every // 2 if admit and running else 0
+            done_steps = self._decode_round(ahead, running, length, sampled, limits, buckets, key)
+            if admit:
                 with record_function("engine.prefill"):
                     self._prefill(buf, rows, admit, limits, key)
                 for slot, req in admit:
                     running[slot], length[slot], sampled[slot] = req, len(rows[req]), 1
+            self._decode_round(self.sync_every - done_steps, running, length, sampled, limits, buckets, key)
             nb = bucket_for(max(running) + 1, buckets)
-            with record_function("engine.decode"):
-                for _ in range(min(self.sync_every, max(limits[running[s]] - sampled[s] for s in running))):
-                    self._decode(nb, max(length[s] + sampled[s] for s in running), key)
-                    for s in running:
-                        sampled[s] = min(sampled[s] + 1, limits[running[s]])
             # as Python lists: indexing the tensor per slot cost ~8 µs each, 2 ms per sync at 256 slots while the
             # GPU waited for the next step (profiled on an H200: 16 syncs, ~35 ms of a 0.41 s generate call)
             with record_function("engine.sync"):
@@ -285,6 +286,19 @@ class FastRolloutEngine:
         order[torch.tensor(reqs)] = torch.arange(len(rows))
         order = order.to(self.device)
         return (torch.cat([p[1] for p in parts])[order], torch.cat([p[2] for p in parts])[order], counts)
+
+    def _decode_round(self, steps: int, running: dict[int, int], length: dict[int, int], sampled: dict[int, int],
+                      limits: list[int], buckets: list[int], key: SamplerKey) -> int:
+        """Up to `steps` decode steps of slots [0, bucket of the highest live one), fewer when every live slot
+        reaches its limit sooner -> the steps run."""
+        n = min(steps, max((limits[running[s]] - sampled[s] for s in running), default=0))
+        nb = bucket_for(max(running) + 1, buckets) if n else 0
+        with record_function("engine.decode"):
+            for _ in range(n):
+                self._decode(nb, max(length[s] + sampled[s] for s in running), key)
+                for s in running:
+                    sampled[s] = min(sampled[s] + 1, limits[running[s]])
+        return n
 
     def _compact(self, buf: SlotBuffers, running: dict[int, int], length: dict[int, int], sampled: dict[int, int],
                  free: list[int], buckets: list[int]) -> None:
@@ -312,6 +326,9 @@ class FastRolloutEngine:
 
     def _prefill(self, buf: SlotBuffers, rows: list[torch.Tensor], admit: list[tuple[int, int]], limits: list[int],
                  key: SamplerKey) -> None:
+        """Prefills the admitted prompts (once per group of identical ones) into their slots. No host sync: it runs
+        while the GPU still decodes the steps queued before it (`_run`), so every index goes up in one
+        asynchronous copy and whether a group has followers is known on the host."""
         groups = _same_prompt_groups(admit, rows)
         by_leader = {g[0][0]: g for g in groups}
         for chunk in _chunks([g[0] for g in groups], rows, self.prefill_tokens):
@@ -319,31 +336,38 @@ class FastRolloutEngine:
             toks = torch.zeros(len(chunk), max(lens), dtype=torch.long)
             for i, (_, r) in enumerate(chunk):
                 toks[i, : lens[i]] = rows[r]
-            dev = dict(device=self.device)
-            leader_slots = torch.tensor([s for s, _ in chunk], **dev)
-            logits = self._fwd.prefill(buf.k, buf.v, toks.to(self.device), torch.tensor(lens, **dev), leader_slots)
             # Every member of a leader's group starts from the leader's cache rows and last-token logits; its
             # own request index keys its random stream, so the n samples of one prompt still differ.
             members = [(i, s, r) for i, (slot, _) in enumerate(chunk) for s, r in by_leader[slot]]
-            of = torch.tensor([i for i, _, _ in members], **dev)
-            slots = torch.tensor([s for _, s, _ in members], **dev)
-            reqs = torch.tensor([r for _, _, r in members], **dev)
-            lengths = torch.tensor([lens[i] for i, _, _ in members], **dev)
-            followers = slots != leader_slots[of]
-            if bool(followers.any()):
+            leaders = [slot for slot, _ in chunk]
+            followers = [(leaders[i], s) for i, s, _ in members if s != leaders[i]]
+            (toks, lens_d, leader_slots, of, slots, reqs, lengths, limit, src, dst) = self._upload(
+                toks, lens, leaders, [i for i, _, _ in members], [s for _, s, _ in members],
+                [r for _, _, r in members], [lens[i] for i, _, _ in members], [limits[r] for _, _, r in members],
+                [a for a, _ in followers], [b for _, b in followers])
+            logits = self._fwd.prefill(buf.k, buf.v, toks, lens_d, leader_slots)
+            if followers:
                 width = max(lens)
-                src, dst = leader_slots[of][followers], slots[followers]
                 buf.k[:, dst, :, :width] = buf.k[:, src, :, :width]
                 buf.v[:, dst, :, :width] = buf.v[:, src, :, :width]
             tok, lp = sample(logits[of], key, buf.temperature, buf.seed, reqs, torch.zeros_like(reqs), self.kernels)
             buf.out_tok[slots, 0], buf.out_lp[slots, 0] = tok, lp
             buf.tokens[slots], buf.pos[slots], buf.req[slots] = tok, lengths, reqs
             buf.lead[slots], buf.shared[slots] = leader_slots[of], lengths  # the prompt's rows, read at the leader
-            limit = torch.tensor([limits[r] for _, _, r in members], **dev)
             buf.count[slots], buf.limit[slots] = 1, limit
             buf.done[slots] = is_stop(tok, buf.stop_ids) | (limit <= 1)
             self.stats["prefills"] += 1
             self.stats["prefilled_prompts"] += len(chunk)
+
+    def _upload(self, toks: torch.Tensor, *lists: list[int]) -> list[torch.Tensor]:
+        """toks and the int lists on the engine's device, in one copy. A plain host-to-GPU copy waits for the
+        stream to drain; from pinned memory with non_blocking it is queued like a kernel."""
+        sizes = [toks.numel(), *map(len, lists)]
+        flat = torch.cat([toks.flatten(), torch.tensor([v for vs in lists for v in vs], dtype=torch.long)])
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        parts = list(torch.split(flat, sizes))
+        return [parts[0].view(toks.shape), *parts[1:]]
 
     def _decode(self, nb: int, kv_len: int, key: SamplerKey) -> None:
         self.stats["decode_steps"] += 1
