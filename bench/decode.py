@@ -36,7 +36,7 @@ from bench.common import (  # noqa: E402
     wall_time,
     write_json,
 )
-from bench.e2e import device_spans, kernel_report  # noqa: E402
+from bench.e2e import gpu_gaps, kernel_report  # noqa: E402
 from fleetrl.engines.fast import FastRolloutEngine  # noqa: E402
 from fleetrl.engines.protocol import SamplingParams  # noqa: E402
 
@@ -168,27 +168,19 @@ def _longtail_shape(args, shape: str, batch: int) -> list[dict]:
 
 
 def phase_profile(fn) -> dict:  # noqa: ANN001
-    """One call of fn under the torch profiler: its wall time, the GPU's busy time, and the GPU's idle time split by
-    the engine phase (`engine.*` record_function ranges of engine.py) the host was in when each gap began."""
+    """One call of fn under the torch profiler: its host window, the GPU's busy time, and the GPU's idle time split
+    by the engine phase (`engine.*` record_function ranges of engine.py) the host was in when each gap began."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize() if torch.cuda.is_available() else None
-    events = prof.events()
-    kernels = device_spans(prof)
-    phases = [e for e in events if e.device_type.name == "CPU" and e.name.startswith("engine.")]
-    t0 = min(e.time_range.start for e in events if e.device_type.name == "CPU")
-    out: dict = {"busy_s": 0.0}
-    end = t0
-    for s, e in kernels:
-        if s > end:
-            at = [p.name for p in phases if p.time_range.start <= end < p.time_range.end]
-            key = f"idle_s/{at[0] if at else 'outside'}"
-            out[key] = out.get(key, 0.0) + (s - end) / 1e6
-        out["busy_s"] += (e - max(s, end)) / 1e6 if e > end else 0.0
-        end = max(end, e)
-    out["window_s"] = (end - t0) / 1e6
+    t0, t1, gaps = gpu_gaps(prof)
+    phases = [e for e in prof.events() if e.device_type.name == "CPU" and e.name.startswith("engine.")]
+    out: dict = {"window_s": (t1 - t0) / 1e6, "busy_s": (t1 - t0 - sum(g for g, _ in gaps)) / 1e6}
+    for g, at in gaps:
+        phase = next((p.name for p in phases if p.time_range.start <= at < p.time_range.end), "outside")
+        out[f"idle_s/{phase}"] = out.get(f"idle_s/{phase}", 0.0) + g / 1e6
     out["kernels"] = kernel_report(prof).splitlines()
     return out
 

@@ -136,7 +136,7 @@ KERNEL_KINDS = (("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "ma
 def is_annotation(e) -> bool:  # noqa: ANN001
     """A record_function range (e.g. engine.py's `engine.decode`) as the profiler mirrors it on the GPU timeline:
     it spans kernels and the gaps between them, so counting it as a kernel hides the GPU's idle time."""
-    return bool(getattr(e, "is_user_annotation", False)) or e.key.startswith("engine.")
+    return bool(e.is_user_annotation)
 
 
 def device_spans(prof) -> list[tuple[float, float]]:  # noqa: ANN001
@@ -163,20 +163,30 @@ def kernel_report(prof) -> str:  # noqa: ANN001
     return "\n".join(lines) + "\n"
 
 
-def idle_report(prof) -> str:  # noqa: ANN001
-    """How long the GPU sat idle during the profiled call, and its 15 longest gaps with the host op that was
-    running when each began: where the host, not the GPU, set the pace."""
+def gpu_gaps(prof) -> tuple[float, float, list[tuple[float, float]]]:  # noqa: ANN001
+    """(host window start, end, [(gap length, gap start)]) in µs: the times the GPU ran nothing while the host was
+    in the profiled call, before its first kernel, between kernels and after its last. No gaps without kernels."""
     kernels = device_spans(prof)
     host = [e for e in prof.events() if e.device_type.name == "CPU"]
     if not kernels or not host:
-        return "no kernels or host events recorded\n"
+        return 0.0, 0.0, []
     t0, t1 = min(e.time_range.start for e in host), max(e.time_range.end for e in host)
-    gaps, end = [(kernels[0][0] - t0, t0)], kernels[0][0]  # before the first kernel, then between kernels
+    gaps, end = [(kernels[0][0] - t0, t0)], kernels[0][0]
     for s, e in kernels:
         if s > end:
             gaps.append((s - end, end))
         end = max(end, e)
     gaps.append((t1 - end, end))
+    return t0, t1, gaps
+
+
+def idle_report(prof) -> str:  # noqa: ANN001
+    """How long the GPU sat idle during the profiled call, and its 15 longest gaps with the host op that was
+    running when each began: where the host, not the GPU, set the pace."""
+    t0, t1, gaps = gpu_gaps(prof)
+    if not gaps:
+        return "no kernels or host events recorded\n"
+    host = [e for e in prof.events() if e.device_type.name == "CPU"]
     idle = sum(g for g, _ in gaps)
     lines = [f"host window {(t1 - t0) / 1e3:.1f} ms, GPU idle {idle / 1e3:.1f} ms in {len(gaps)} gaps; longest:"]
     for g, at in sorted(gaps, reverse=True)[:15]:

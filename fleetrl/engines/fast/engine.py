@@ -341,10 +341,11 @@ class FastRolloutEngine:
             members = [(i, s, r) for i, (slot, _) in enumerate(chunk) for s, r in by_leader[slot]]
             leaders = [slot for slot, _ in chunk]
             followers = [(leaders[i], s) for i, s, _ in members if s != leaders[i]]
-            (toks, lens_d, leader_slots, of, slots, reqs, lengths, limit, src, dst) = self._upload(
+            (toks, lens_d, leader_slots, of, slots, reqs, limit, src, dst) = self._upload(
                 toks, lens, leaders, [i for i, _, _ in members], [s for _, s, _ in members],
-                [r for _, _, r in members], [lens[i] for i, _, _ in members], [limits[r] for _, _, r in members],
+                [r for _, _, r in members], [limits[r] for _, _, r in members],
                 [a for a, _ in followers], [b for _, b in followers])
+            lengths = lens_d[of]
             logits = self._fwd.prefill(buf.k, buf.v, toks, lens_d, leader_slots)
             if followers:
                 width = max(lens)
