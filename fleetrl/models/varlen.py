@@ -39,7 +39,8 @@ class VarlenSegments:
     """The segments of one packed row: segment s has queries [q_cu[s], q_cu[s+1]) of the row and keys
     kv_index[k_cu[s]:k_cu[s+1]] (row indices). max_q / max_k: bounds of the lengths, which a compiled layer takes
     as constants: a fixed floor (the longest sample the run can make) keeps them to one value, so a long-tailed
-    run does not recompile per micro-batch (measured: 7.9 s updates against 1.1 s while it did)."""
+    run does not recompile per micro-batch (measured: 7.9 s updates against 1.1 s while it did). The segment and
+    key counts change with every micro-batch; their tensors are marked dynamic (`segments`) for the same reason."""
 
     q_cu: torch.Tensor      # [S+1] int32
     k_cu: torch.Tensor      # [S+1] int32
@@ -86,28 +87,22 @@ def segment_runs(doc_N: torch.Tensor, seg_N: torch.Tensor) -> SegmentRuns:
 
 
 def segments(doc_N: torch.Tensor, seg_N: torch.Tensor, floor: int = 0) -> VarlenSegments:
-    """The varlen kernel's segments of a packed row (`segment_runs`). floor: the lowest max_q / max_k (a longer
-    segment raises them to its power of two: correct, at the cost of a recompile)."""
+    """The varlen kernel's segments of a packed row (`segment_runs`). floor: max_q / max_k while every segment fits
+    under it (a longer one raises them to its power of two: correct, at the cost of a recompile).
+
+    The offsets and key indices are marked dynamic along their length. Why: a compiled layer otherwise takes every
+    tensor's size as a constant, and a long-tailed micro-batch has a new segment count each time. Padding the
+    counts to powers of two still left five sizes (8 to 128 segments), each a ~5 s compile inside a timed step, and
+    the padding's empty segments are blocks the kernel launches for nothing (measured on an H200, bench/RESULTS.md,
+    ninth round)."""
     runs = segment_runs(doc_N, seg_N)
     zero = runs.q_len_S.new_zeros(1)
-    q_cu, k_cu = torch.cat([zero, runs.q_len_S.cumsum(0)]), torch.cat([zero, runs.k_len_S.cumsum(0)])
+    q_cu = torch.cat([zero, runs.q_len_S.cumsum(0)]).int()
+    k_cu = torch.cat([zero, runs.k_len_S.cumsum(0)]).int()
     max_q, max_k = (int(x) for x in torch.stack([runs.q_len_S.max(), runs.k_len_S.max()]).tolist())
-    return VarlenSegments(_pad_cu(q_cu), _pad_cu(k_cu), _pad_index(runs.kv_index), max(floor, _pow2(max_q)),
-                          max(floor, _pow2(max_k)))
-
-
-def _pad_cu(cu_S1: torch.Tensor) -> torch.Tensor:
-    """Offsets padded to a power-of-two count with empty segments (the last offset repeated; the kernel skips a
-    zero-length sequence): a compiled layer takes every tensor's shape as a constant, and the segment count of a
-    long-tailed micro-batch changes every time."""
-    n = cu_S1.shape[0]
-    return torch.cat([cu_S1, cu_S1[-1:].expand(_pow2(n) - n)]).int()
-
-
-def _pad_index(index_K: torch.Tensor) -> torch.Tensor:
-    """Key indices padded to a power-of-two count (gathered rows past the last offset are never read)."""
-    n = index_K.shape[0]
-    return torch.cat([index_K, index_K.new_zeros(_pow2(n) - n)])
+    for t in (q_cu, k_cu, runs.kv_index):
+        torch._dynamo.mark_dynamic(t, 0)
+    return VarlenSegments(q_cu, k_cu, runs.kv_index, _bound(max_q, floor), _bound(max_k, floor))
 
 
 def attend(q_1HNQ: torch.Tensor, k_1GNQ: torch.Tensor, v_1GNQ: torch.Tensor, seg: VarlenSegments) -> torch.Tensor:
@@ -155,6 +150,13 @@ def _reference(q_NHQ: torch.Tensor, k_KGQ: torch.Tensor, v_KGQ: torch.Tensor, se
         mask = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
         out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1))
     return torch.cat(out)
+
+
+def _bound(n: int, floor: int) -> int:
+    """The length bound the kernel is given: the floor while n fits under it (one value for the whole run), else n's
+    power of two. Not max(floor, pow2(n)): with a floor of 1,184 (prompt 160 + response 1,024) a 1,150-key segment
+    would have made it 2,048, a second compiled graph."""
+    return floor if n <= floor else _pow2(n)
 
 
 def _pow2(n: int) -> int:

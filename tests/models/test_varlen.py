@@ -12,10 +12,10 @@ def test_segments_of_a_shared_prompt_row_by_hand():
     doc = torch.tensor([0, 0, 0, 0, 0, 1, 1, 2])
     seg = torch.tensor([0, 0, 1, 1, 2, 0, 3, 0])
     s = varlen.segments(doc, seg)
-    # Runs P0, A, B, P1, R, pad; then one empty segment pads the 7 offsets to 8 (static shapes when compiled).
-    assert s.q_cu.tolist() == [0, 2, 4, 5, 6, 7, 8, 8]
-    assert s.k_cu.tolist() == [0, 2, 6, 9, 10, 12, 13, 13]  # keys: 2, 2+2, 2+1, 1, 1+1, 1
-    assert s.kv_index.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 5, 6, 7, 0, 0, 0]  # 13 padded to 16
+    # Runs P0, A, B, P1, R, pad.
+    assert s.q_cu.tolist() == [0, 2, 4, 5, 6, 7, 8]
+    assert s.k_cu.tolist() == [0, 2, 6, 9, 10, 12, 13]  # keys: 2, 2+2, 2+1, 1, 1+1, 1
+    assert s.kv_index.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 5, 6, 7]
     assert (s.max_q, s.max_k) == (2, 4) and s.q_cu.dtype == torch.int32
 
 
@@ -69,3 +69,62 @@ def test_a_floor_fixes_the_length_bounds_unless_a_segment_exceeds_it():
     assert (s.max_q, s.max_k) == (512, 512)
     s = varlen.segments(doc, seg, floor=4)
     assert (s.max_q, s.max_k) == (4, 8)  # keys 5 > 4: raised to their power of two
+    s = varlen.segments(doc, seg, floor=5)
+    assert (s.max_q, s.max_k) == (5, 5)  # keys 5 fit under a floor that is no power of two: it stays
+
+
+def _shared_rows(groups: list[list[int]], prompt: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """doc / seg ids of a shared-prompt row: one doc per group, its prompt then its responses of these lengths."""
+    doc, seg, next_seg = [], [], 1
+    for d, responses in enumerate(groups):
+        doc += [d] * (prompt + sum(responses))
+        seg += [0] * prompt
+        for n in responses:
+            seg += [next_seg] * n
+            next_seg += 1
+    return torch.tensor(doc), torch.tensor(seg)
+
+
+def test_micro_batches_with_new_segment_counts_reuse_one_compiled_graph():
+    # A long-tailed run's micro-batches have 8 to 128 segments (H200 log, ninth round); a compiled layer that took
+    # their sizes as constants recompiled for each. The segment tensors are marked dynamic, so one graph serves all.
+    from torch._dynamo.testing import CompileCounter
+
+    def uses_segments(x: torch.Tensor, s: varlen.VarlenSegments) -> torch.Tensor:
+        return x.index_select(0, s.kv_index).sum() + (s.q_cu.float().sum() + s.k_cu.float().sum()) * s.max_k
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = torch.compile(uses_segments, backend=counter, fullgraph=True, dynamic=False)  # the GPU layer's settings
+    for groups in ([[2, 5]], [[1, 1, 4], [3]], [[2, 2], [1, 6, 1], [5, 5, 5, 1]]):
+        doc, seg = _shared_rows(groups)
+        s = varlen.segments(doc, seg, floor=64)
+        x = torch.randn(64, 2)  # the row: one length for every micro-batch, as packing pads them
+        assert fn(x, s) == uses_segments(x, s)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_compiled_native_layer_with_varlen_segments_compiles_once_for_any_segment_count():
+    # The real layer (models/decoder.py) on the GPU: rows of one length whose segment and key counts differ.
+    from torch._dynamo.utils import counters
+
+    from fleetrl.models.decoder import NativeDecoder
+
+    cfg = __import__("transformers").Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = __import__("transformers").Qwen2ForCausalLM(cfg).cuda().bfloat16()
+    torch._dynamo.reset()
+    counters.clear()
+    decoder = NativeDecoder(model, compile_backend="inductor")
+    for groups in ([[20, 40, 4]], [[10, 10, 10, 10], [5, 15]], [[1] * 30, [2] * 16]):
+        doc, seg = _shared_rows(groups, prompt=8)
+        pad = 128 - doc.shape[0]  # every row padded to 128 tokens, as packing aligns them
+        doc = torch.cat([doc, torch.full((pad,), int(doc.max()) + 1)]).cuda()
+        seg = torch.cat([seg, torch.zeros(pad, dtype=torch.long)]).cuda()
+        ids = torch.randint(0, 64, (1, 128), device="cuda")
+        positions = torch.arange(128, device="cuda")[None]  # the values do not matter for the compile count
+        decoder.hidden(model, ids, positions, packed_mask(doc, seg, "varlen", 256)).float().sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
