@@ -140,7 +140,9 @@ class NativeDecoder:
             # run the layer eagerly.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             compiled = torch.compile(decoder_layer, backend=compile_backend, fullgraph=True, dynamic=dynamic)
-            self.layer_fn = _without_duck_sizing(compiled) if dynamic else compiled
+            # Without duck sizing in either form: the varlen rows' sizes marked dynamic (`hidden`) must not be
+            # tied to a size that happened to equal them in the first trace.
+            self.layer_fn = _without_duck_sizing(compiled)
 
     def hidden(self, model: nn.Module, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor,
                mask: Mask = None) -> torch.Tensor:
@@ -153,6 +155,12 @@ class NativeDecoder:
             x = x.detach().requires_grad_()
         cos, sin = rope_cos_sin(model, position_ids_BL, x.dtype)
         recompute = _checkpointing(model) and model.training and torch.is_grad_enabled()
+        if self.compiled and isinstance(mask, VarlenSegments):
+            # A varlen row is as long as its micro-batch's tokens (rounded to PACK_ALIGN, not padded to the budget:
+            # `PackedForward.row_align`), so its length is a dynamic size of the one compiled graph. A later
+            # layer's input, unmarked, still matches that graph's guards.
+            for t in (x, cos, sin):
+                torch._dynamo.mark_dynamic(t, 1)
         for layer in model.model.layers:
             if recompute:
                 x = checkpoint(self.layer_fn, layer, x, cos, sin, self.spec, mask, use_reentrant=False)

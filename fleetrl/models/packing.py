@@ -208,8 +208,10 @@ class PackedForward:
         """flex_attention compiles a kernel (and its block mask) per row length, ~tens of seconds each on an H200:
         measured, a 6-step e2e with rows rounded to 128 was still compiling after 240 s. So with flex every row is
         padded to the budget itself (one shape; an oversized single sample takes a multiple of it), trading the
-        unfilled tail of the last micro-batch for a single compile. Elsewhere rows round up to `align`."""
-        if self.attention in ("flex_attention", "varlen"):  # varlen: the compiled layer's shape is the row's
+        unfilled tail of the last micro-batch for a single compile. Elsewhere rows round up to `align`: varlen
+        rows too, whose length the compiled layer takes as a dynamic size (models/decoder.py `hidden`); padded to
+        the budget they wasted 10-24% of a long-tailed step's tokens (bench/RESULTS.md, ninth round)."""
+        if self.attention == "flex_attention":
             return -(-self.max_tokens // PACK_ALIGN) * PACK_ALIGN
         return self.align
 

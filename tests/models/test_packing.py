@@ -127,6 +127,8 @@ def test_rows_round_up_to_the_forwards_alignment():
     assert PackedForward(max_tokens=300).token_slots(pm, rm) == (11, PACK_ALIGN)
     assert PackedForward(max_tokens=300, align=CPU_ALIGN).token_slots(pm, rm) == (11, 16)
     assert PackedForward(max_tokens=300, attention="flex_attention", align=CPU_ALIGN).token_slots(pm, rm) == (11, 384)
+    # varlen rows are a dynamic size of the compiled layer: rounded to the alignment, not padded to the budget
+    assert PackedForward(max_tokens=300, attention="varlen").token_slots(pm, rm) == (11, PACK_ALIGN)
 
 
 def test_pack_layout_by_hand():

@@ -106,8 +106,9 @@ def test_micro_batches_with_new_segment_counts_reuse_one_compiled_graph():
 
 
 @pytest.mark.gpu
-def test_compiled_native_layer_with_varlen_segments_compiles_once_for_any_segment_count():
-    # The real layer (models/decoder.py) on the GPU: rows of one length whose segment and key counts differ.
+def test_compiled_native_layer_with_varlen_segments_compiles_once_for_any_row():
+    # The real layer (models/decoder.py) on the GPU: rows of 128, 256 and 128 tokens (a varlen row is rounded to
+    # PACK_ALIGN, packing.py) whose segment and key counts differ.
     from torch._dynamo.utils import counters
 
     from fleetrl.models.decoder import NativeDecoder
@@ -118,13 +119,14 @@ def test_compiled_native_layer_with_varlen_segments_compiles_once_for_any_segmen
     torch._dynamo.reset()
     counters.clear()
     decoder = NativeDecoder(model, compile_backend="inductor")
-    for groups in ([[20, 40, 4]], [[10, 10, 10, 10], [5, 15]], [[1] * 30, [2] * 16]):
+    for groups in ([[20, 40, 4]], [[10, 10, 10, 10], [5, 15], [90, 60]], [[1] * 30, [2] * 16]):
         doc, seg = _shared_rows(groups, prompt=8)
-        pad = 128 - doc.shape[0]  # every row padded to 128 tokens, as packing aligns them
+        n = -(-doc.shape[0] // 128) * 128
+        pad = n - doc.shape[0]
         doc = torch.cat([doc, torch.full((pad,), int(doc.max()) + 1)]).cuda()
         seg = torch.cat([seg, torch.zeros(pad, dtype=torch.long)]).cuda()
-        ids = torch.randint(0, 64, (1, 128), device="cuda")
-        positions = torch.arange(128, device="cuda")[None]  # the values do not matter for the compile count
+        ids = torch.randint(0, 64, (1, n), device="cuda")
+        positions = torch.arange(n, device="cuda")[None]  # the values do not matter for the compile count
         decoder.hidden(model, ids, positions, packed_mask(doc, seg, "varlen", 256)).float().sum().backward()
     assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
