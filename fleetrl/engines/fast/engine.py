@@ -41,7 +41,7 @@ from fleetrl.engines.fast.forward import DecoderForward
 from fleetrl.engines.fast.graphs import DecodeGraphs, batch_buckets, bucket_for
 from fleetrl.engines.fast.postprocess import assemble_output
 from fleetrl.engines.fast.sampling import SamplerKey, is_stop, sample
-from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers
+from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers, device_index
 from fleetrl.engines.protocol import GenerationOutput, SamplingParams, response_limits
 
 KV_BUCKET = 256  # kv-length granularity of the torch-path graphs (the Triton path reads exact lengths)
@@ -248,35 +248,37 @@ class FastRolloutEngine:
         parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
         counts = [0] * len(rows)
         buf.done.fill_(True)
+        ahead = 0  # decode steps of the current round already queued, before the host's work at the last sync
         while pending or running:
             heartbeat.beat()
             admit = [(heapq.heappop(free), pending.popleft()) for _ in range(min(len(free), len(pending)))]
-            # Live slots decode first when prompts are admitted: the GPU works through these steps while the
-            # host issues the prefill's eager ops (~10 ms of launches at 0.5B), instead of idling behind them
-            # (bench/RESULTS.md, "GPU speed, eighth round"). The admitted join for the rest of the round.
-            ahead = self.sync_every // 2 if admit and running else 0
-            done_steps = self._decode_round(ahead, running, length, sampled, limits, buckets, key)
             if admit:
                 with record_function("engine.prefill"):
                     self._prefill(buf, rows, admit, limits, key)
                 for slot, req in admit:
                     running[slot], length[slot], sampled[slot] = req, len(rows[req]), 1
-            self._decode_round(self.sync_every - done_steps, running, length, sampled, limits, buckets, key)
+            self._decode_round(self.sync_every - ahead, running, length, sampled, limits, buckets, key)
             nb = bucket_for(max(running) + 1, buckets)
             # as Python lists: indexing the tensor per slot cost ~8 µs each, 2 ms per sync at 256 slots while the
             # GPU waited for the next step (profiled on an H200: 16 syncs, ~35 ms of a 0.41 s generate call)
             with record_function("engine.sync"):
                 done, count = torch.stack((buf.done[:nb].long(), buf.count[:nb])).cpu().tolist()
             self.stats["syncs"] += 1
-            finished = [s for s in running if done[s]]
+            finished = {s: running.pop(s) for s in list(running) if done[s]}
+            # The host now harvests, compacts and prefills, ~10 ms of launches for a prefill at 0.5B, while the GPU
+            # would idle after the sync drained it. So the live slots first decode half a round; that work queues
+            # behind it, and admitted samples join for the other half (bench/RESULTS.md, "GPU speed, eighth round").
+            # A finished slot's rows stay intact until then: it is done, and its followers read its prompt rows
+            # until `release`, which queues after these steps too.
+            ahead = self._decode_round(self.sync_every // 2, running, length, sampled, limits, buckets, key) \
+                if finished and running else 0
             if finished:
                 with record_function("engine.harvest"):
-                    buf.release(finished)  # before a prefill or a compaction reuses their rows
-                    index = torch.tensor(finished, device=self.device)
-                    parts.append(([running[s] for s in finished], buf.out_tok[index, :max_new],
-                                   buf.out_lp[index, :max_new]))
-                    for s in finished:
-                        counts[running.pop(s)] = count[s]
+                    buf.release(list(finished))  # before a prefill or a compaction reuses their rows
+                    index = device_index(list(finished), self.device)
+                    parts.append((list(finished.values()), buf.out_tok[index, :max_new], buf.out_lp[index, :max_new]))
+                    for s, req in finished.items():
+                        counts[req] = count[s]
                         heapq.heappush(free, s)
             if running and not pending:  # nothing to refill the freed slots with: shrink the decode batch instead
                 with record_function("engine.compact"):
@@ -310,7 +312,7 @@ class FastRolloutEngine:
         if not movers:
             return
         holes = sorted(s for s in free if s < target)[: len(movers)]  # enough: len(running) <= target
-        src, dst = torch.tensor(movers, device=self.device), torch.tensor(holes, device=self.device)
+        src, dst = device_index(movers, self.device), device_index(holes, self.device)
         width = min(max(length[s] + sampled[s] for s in movers), buf.seq_len)
         buf.k[:, dst, :, :width] = buf.k[:, src, :, :width]
         buf.v[:, dst, :, :width] = buf.v[:, src, :, :width]

@@ -81,7 +81,7 @@ class SlotBuffers:
 
     def release(self, slots: Sequence[int]) -> None:
         """`slots` stop or move: every slot reading prefix rows there reads its own copy from now on."""
-        gone = torch.isin(self.lead, torch.tensor(list(slots), dtype=torch.long, device=self.lead.device))
+        gone = torch.isin(self.lead, device_index(slots, self.lead.device))
         self.lead.copy_(torch.where(gone, torch.arange(self.slots, device=self.lead.device), self.lead))
         self.shared.masked_fill_(gone, 0)
 
@@ -91,3 +91,13 @@ class SlotBuffers:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.out_tok, self.out_lp))
+
+
+def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """values as a long tensor on `device`, queued like a kernel. Why: `torch.tensor(values, device=cuda)` copies from
+    pageable memory and then waits for the stream to drain, so the host would stop behind the decode steps the
+    engine queued to keep the GPU busy while it works (engine.py `_run`); a pinned, non-blocking copy does not."""
+    host = torch.tensor(list(values), dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
