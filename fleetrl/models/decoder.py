@@ -4,7 +4,7 @@ Why: compiling HF's decoder layers inside our log-prob path made the e2e update 
 (bench/RESULTS.md, "Training-side variants"), while the same compile in a plain loop gave +44%. HF's layer takes a
 4-D mask, rotary tuples and cache arguments, and its attention dispatch is Python we do not control; this forward
 is a few pure-torch functions that `torch.compile(fullgraph=True)` traces whole, with one static shape per
-bucket.
+bucket (a varlen row's sizes are dynamic: `NativeDecoder.hidden`).
 
 What it reads: the HF modules' own parameters, in place. Projections are *called* (`self_attn.q_proj(h)`), not
 read as matrices, so biases (Qwen2's q/k/v), peft's LoRA wrappers (fleetrl/models/lora.py) and any hooks on them
@@ -127,7 +127,8 @@ class NativeDecoder:
     with dynamo's inlining of nn.Modules its parameters are graph inputs, not guards on the module's identity.
     `dynamic`: one graph for every row length (CPU: Inductor's C++ compile of each static shape costs ~20-40 s
     on 2 cores, and a dynamic graph measured as fast as a static one there) instead of one per shape (GPU:
-    static shapes measured faster on an H200).
+    static shapes measured faster on an H200), except for a varlen row, whose length, segment count and key
+    count are marked dynamic so that one graph serves every long-tailed micro-batch.
     """
 
     def __init__(self, model: nn.Module, *, compile_backend: str | None = None, dynamic: bool = False) -> None:
@@ -135,9 +136,9 @@ class NativeDecoder:
         self.layer_fn: Callable[..., torch.Tensor] = decoder_layer
         self.compiled = compile_backend is not None
         if compile_backend is not None:
-            # Every (micro-batch rows, bucketed width) pair is one static-shape compile of this one function; a
-            # long-tailed run meets ~10 of them, past dynamo's default limit of 8, after which it would silently
-            # run the layer eagerly.
+            # Every (micro-batch rows, bucketed width) pair of a padded micro-batch is one static-shape compile of
+            # this one function; a long-tailed run meets ~10 of them, past dynamo's default limit of 8, after which
+            # it would silently run the layer eagerly.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             compiled = torch.compile(decoder_layer, backend=compile_backend, fullgraph=True, dynamic=dynamic)
             # Without duck sizing in either form: the varlen rows' sizes marked dynamic (`hidden`) must not be

@@ -7,8 +7,8 @@ id that does not follow its predecessor by +1 as a sequence start when attention
 mask that never crosses samples: block-diagonal causal for eager/sdpa (dense N x N: fine on CPU and in tests)
 and a block-sparse BlockMask for flex_attention (GPU: work proportional to the real tokens).
 
-The row is padded to a multiple of PACK_ALIGN tokens (extra "samples" of pad ids, PACK_ALIGN tokens at most each,
-their outputs dropped), so the compiled flex-attention kernel sees few distinct shapes.
+The row is padded to a multiple of PACK_ALIGN tokens (extra "samples" of pad ids, cut at the row's PACK_ALIGN
+boundaries, their outputs dropped), so the compiled flex-attention kernel sees few distinct shapes.
 
 Semantics match `sequence_logprobs` on the padded layout: a token's position is its index among its sample's
 real tokens (cumsum(mask) - 1), keys are the sample's real tokens up to it, and response token r is predicted
@@ -87,12 +87,14 @@ def pack(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, responses_BR: t
     n = int(packed_BL.sum())
     pad = (-n) % align
     input_ids = torch.cat([ids_BL[packed_BL], ids_BL.new_zeros(pad)])
-    # The pad is cut into docs of PACK_ALIGN tokens. Why: attention treats a pad doc like a real one, quadratic in
-    # its length, and a row padded to the budget (flex, varlen: `PackedForward.row_align`) can end in thousands
-    # of pad tokens, which also set the varlen kernel's length bound (a recompile per new bound, bench/RESULTS.md,
-    # ninth round). Cut, the pad costs attention in proportion to its length and never sets a bound.
-    pad_doc = torch.arange(pad, device=pos_BL.device) // PACK_ALIGN
-    positions = torch.cat([pos_BL[packed_BL], torch.arange(pad, device=pos_BL.device) % PACK_ALIGN])
+    # The pad is cut into docs at the row's PACK_ALIGN boundaries (flex's blocks). Why: attention treats a pad doc
+    # like a real one, quadratic in its length, and a row padded to the budget (flex: `PackedForward.row_align`)
+    # can end in thousands of pad tokens; as one doc they also set the varlen kernel's length bound (a recompile
+    # per new bound; varlen rows were padded to the budget too until the ninth round, bench/RESULTS.md). Cut, the
+    # pad costs attention in proportion to its length, one block per doc.
+    at_N = torch.arange(pad, device=pos_BL.device) + n % PACK_ALIGN  # offset in the pad's first block
+    pad_doc = at_N // PACK_ALIGN
+    positions = torch.cat([pos_BL[packed_BL], at_N % PACK_ALIGN - torch.where(pad_doc == 0, n % PACK_ALIGN, 0)])
     seg_BL = torch.zeros_like(pos_BL)
     seg_BL[:, P:] = torch.arange(1, B + 1, device=seg_BL.device)[:, None]
     doc_BL = doc_B[:, None].expand_as(pos_BL)

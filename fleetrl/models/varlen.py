@@ -51,7 +51,7 @@ class VarlenSegments:
 
 @dataclass(frozen=True)
 class SegmentRuns:
-    """A packed row's segments before any padding (`segment_runs`): segment s has queries [start, start + q_len)
+    """A packed row's segments (`segment_runs`): segment s has queries [start, start + q_len)
     of the row and keys kv_index[k_start : k_start + k_len] (row indices: its doc's prompt first for a response)."""
 
     start_S: torch.Tensor    # [S] long

@@ -58,17 +58,20 @@ def test_per_sample_limits_with_graphs_keep_the_unlimited_prefix() -> None:
         assert torch.equal(limited.responses[i, :n], free.responses[i, :n]), f"sample {i}"
 
 
-def test_samples_of_a_prompt_read_its_rows_at_the_leader_until_it_stops() -> None:
+@pytest.mark.parametrize("sync_every", [1, 4])
+def test_samples_of_a_prompt_read_its_rows_at_the_leader_until_it_stops(sync_every: int) -> None:
     """Followers read the prompt's cache rows at their group's leader slot (triton_kernels.decode_attention).
     Leaders stop first (limits 1-2) and, with 4 slots, their slots are refilled with other prompts while the
-    followers still decode: a follower still reading there would go wrong against HF's greedy tokens."""
+    followers still decode: a follower still reading there would go wrong against HF's greedy tokens. With
+    sync_every=4 the live slots decode 2 steps after the sync that finds a leader stopped and before its slot is
+    released (engine.py `_run`)."""
     ids, mask = left_padded([3, 9, 6])
     index = [0, 0, 0, 1, 1, 2, 2, 2]
     ids, mask = ids[index], mask[index]
     limits = torch.tensor([1, 7, 5, 2, 7, 1, 7, 6])
     model = tiny_model("llama")
     ref = hf_greedy(model, ids, mask, 7, None)
-    eng = _cuda_engine(model, max_batch=4, sync_every=1)
+    eng = _cuda_engine(model, max_batch=4, sync_every=sync_every)
     out = eng.generate(ids.cuda(), mask.cuda(), SamplingParams(max_new_tokens=7, temperature=0.0,
                                                                max_new_tokens_per_sample=limits))
     for i, n in enumerate(limits.tolist()):

@@ -144,16 +144,17 @@ def test_pack_layout_by_hand():
 
 
 def test_a_long_pad_is_cut_into_docs_of_at_most_pack_align_tokens():
-    # A row padded to a 512-token budget: 6 real tokens, then 506 pads in docs of 128, 128, 128 and 122 tokens.
-    # As one doc the pad would attend over all its 506 tokens (quadratic) and set the varlen kernel's length bound.
+    # A row padded to a 512-token budget: 6 real tokens, then 506 pads in docs of 122 (to the first 128-token
+    # boundary: flex's blocks), 128, 128 and 128 tokens. As one doc the pad would attend over all its 506 tokens
+    # (quadratic) and set the varlen kernel's length bound.
     pr, pm = torch.tensor([[11, 12], [0, 14]]), torch.tensor([[1, 1], [0, 1]])
     rs, rm = torch.tensor([[13, 0], [15, 16]]), torch.tensor([[1, 0], [1, 1]])
     pk = pack(pr, pm, rs, rm, align=512)
     doc, pos = pk.doc_N.tolist(), pk.position_ids_1N[0].tolist()
     assert doc[:6] == [0, 0, 0, 1, 1, 1] and pos[:6] == [0, 1, 2, 0, 1, 2]
     pad_docs = doc[6:]
-    assert [pad_docs.count(d) for d in (2, 3, 4, 5)] == [128, 128, 128, 122] and len(pad_docs) == 506
-    assert pos[6:6 + 130] == list(range(128)) + [0, 1]  # positions restart with each pad doc
+    assert [pad_docs.count(d) for d in (2, 3, 4, 5)] == [122, 128, 128, 128] and len(pad_docs) == 506
+    assert pos[6:6 + 124] == list(range(122)) + [0, 1]  # positions restart with each pad doc
     assert set(pk.seg_N[6:].tolist()) == {0}
 
 

@@ -95,11 +95,12 @@ def test_micro_batches_with_new_segment_counts_reuse_one_compiled_graph():
 
     torch._dynamo.reset()
     counter = CompileCounter()
-    fn = torch.compile(uses_segments, backend=counter, fullgraph=True, dynamic=False)  # the GPU layer's settings
+    # dynamic=False as on the GPU (without its duck-sizing wrapper; the GPU test below runs the real layer)
+    fn = torch.compile(uses_segments, backend=counter, fullgraph=True, dynamic=False)
     for groups in ([[2, 5]], [[1, 1, 4], [3]], [[2, 2], [1, 6, 1], [5, 5, 5, 1]]):
         doc, seg = _shared_rows(groups)
         s = varlen.segments(doc, seg, floor=64)
-        x = torch.randn(64, 2)  # the row: one length for every micro-batch, as packing pads them
+        x = torch.randn(64, 2)  # the row, one length here: only the segment counts change
         assert fn(x, s) == uses_segments(x, s)
     assert counter.frame_count == 1
     torch._dynamo.reset()

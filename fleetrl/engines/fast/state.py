@@ -81,7 +81,11 @@ class SlotBuffers:
 
     def release(self, slots: Sequence[int]) -> None:
         """`slots` stop or move: every slot reading prefix rows there reads its own copy from now on."""
-        gone = torch.isin(self.lead, device_index(slots, self.lead.device))
+        # A mask over the slots, read at each slot's leader. Not torch.isin: from ~22 values it sorts, and its
+        # unique copies a count to the host, which would wait for the decode steps queued to overlap this work.
+        released = torch.zeros(self.slots, dtype=torch.bool, device=self.lead.device)
+        released[device_index(slots, self.lead.device)] = True
+        gone = released[self.lead]
         self.lead.copy_(torch.where(gone, torch.arange(self.slots, device=self.lead.device), self.lead))
         self.shared.masked_fill_(gone, 0)
 
