@@ -55,6 +55,10 @@ def main() -> None:
                     "local backend): top CUDA kernels by time, grouped, to OUT/e2e_update_profile<tag>.txt")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.profile_step > args.warmup:
+        ap.error(f"--profile-step {args.profile_step} falls in the timed steps (--warmup {args.warmup}): the profiler's "
+                 f"overhead would count in the figures; profile a warm-up step (1..{args.warmup}) or raise --warmup")
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # now, not after the run: the JSON is written at the end
     g = args.gpus
     overrides = [f"rollout.engine={args.engine}", f"trainer.total_steps={args.steps}",
                  f"data.prompts_per_step={32 * g}", f"cluster.pools.main.workers_per_node={g}",

@@ -1,0 +1,17 @@
+"""bench/e2e.py refuses a profiled step inside its timed window before it starts a run (a profiled step's
+overhead would have counted in the figures; it happened once, bench/RESULTS.md ninth round)."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_profiled_step_inside_the_timed_window_is_refused_with_the_fix(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--steps", "8", "--warmup", "3",
+                          "--profile-step", "6", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2
+    assert "--profile-step 6 falls in the timed steps (--warmup 3)" in out.stderr
+    assert "profile a warm-up step (1..3)" in out.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything was made
