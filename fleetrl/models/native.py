@@ -95,7 +95,8 @@ def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
         raise ValueError(f"packed_native_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "actor.forward=native")
     pk = pack(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, align=align, share_prompts=share_prompts)
-    mask = packed_mask(pk.doc_N, pk.seg_N, attention, max_segment)
+    # The bound covers a pad doc too (up to PACK_ALIGN tokens, `pack`), or short configs would see two bounds.
+    mask = packed_mask(pk.doc_N, pk.seg_N, attention, max(max_segment, PACK_ALIGN))
     hidden_1ND = decoder.hidden(model, pk.input_ids_1N, pk.position_ids_1N, mask)
     return packed_head_stats(model, hidden_1ND[0], pk, temperature=temperature, return_entropy=return_entropy,
                              fused_chunk=fused_chunk)

@@ -90,9 +90,7 @@ def packed_forward(ctx: WorkerContext, native: bool = False) -> PackedForward | 
     align = CPU_ALIGN if ctx.device().type == "cpu" else PACK_ALIGN
     return PackedForward(max_tokens=ctx.plan.micro_batch_tokens, fused_chunk=a.fused_logprob_chunk, align=align,
                          attention=attention, share_prompts=native and a.share_prompts,
-                         # at least a pad doc's length (packing.pack), or short configs would see two bounds
-                         max_segment=max(ctx.cfg.data.max_prompt_length + ctx.cfg.rollout.max_response_tokens,
-                                         PACK_ALIGN))
+                         max_segment=ctx.plan.rollout.max_seq_len)
 
 
 def native_forward(ctx: WorkerContext, model: torch.nn.Module, packed: PackedForward | None,

@@ -41,7 +41,7 @@ from fleetrl.engines.fast.forward import DecoderForward
 from fleetrl.engines.fast.graphs import DecodeGraphs, batch_buckets, bucket_for
 from fleetrl.engines.fast.postprocess import assemble_output
 from fleetrl.engines.fast.sampling import SamplerKey, is_stop, sample
-from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers, device_index
+from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers, device_index, upload
 from fleetrl.engines.protocol import GenerationOutput, SamplingParams, response_limits
 
 KV_BUCKET = 256  # kv-length granularity of the torch-path graphs (the Triton path reads exact lengths)
@@ -276,8 +276,9 @@ class FastRolloutEngine:
                 if finished and running else 0
             if finished:
                 with record_function("engine.harvest"):
-                    buf.release(list(finished))  # before a prefill or a compaction reuses their rows
-                    index = device_index(list(finished), self.device)
+                    slots = list(finished)
+                    buf.release(slots)  # before a prefill or a compaction reuses their rows
+                    index = device_index(slots, self.device)
                     parts.append((list(finished.values()), buf.out_tok[index, :max_new], buf.out_lp[index, :max_new]))
                     for s, req in finished.items():
                         counts[req] = count[s]
@@ -365,13 +366,10 @@ class FastRolloutEngine:
             self.stats["prefilled_prompts"] += len(chunk)
 
     def _upload(self, toks: torch.Tensor, *lists: list[int]) -> list[torch.Tensor]:
-        """toks and the int lists on the engine's device, in one copy. A plain host-to-GPU copy waits for the
-        stream to drain; from pinned memory with non_blocking it is queued like a kernel."""
+        """toks and the int lists on the engine's device, in one `upload` (state.py)."""
         sizes = [toks.numel(), *map(len, lists)]
         flat = torch.cat([toks.flatten(), torch.tensor([v for vs in lists for v in vs], dtype=torch.long)])
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
-        parts = list(torch.split(flat, sizes))
+        parts = list(torch.split(upload(flat, self.device), sizes))
         return [parts[0].view(toks.shape), *parts[1:]]
 
     def _decode(self, nb: int, kv_len: int, key: SamplerKey) -> None:
