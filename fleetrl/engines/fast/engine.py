@@ -226,7 +226,7 @@ class FastRolloutEngine:
             raise ValueError(f"{len(stop)} stop token ids given; at most {MAX_STOP_IDS} are supported")
         buf.stop_ids.fill_(-1)
         if stop:
-            buf.stop_ids[: len(stop)] = torch.tensor(stop, dtype=torch.long)
+            buf.stop_ids[: len(stop)] = upload(torch.tensor(stop, dtype=torch.long), self.device)
         greedy = params.temperature == 0
         buf.temperature.fill_(1.0 if greedy else params.temperature)
         seed = params.seed if params.seed is not None else int(torch.randint(1 << 22, (1,), generator=self._rng))
@@ -322,7 +322,7 @@ class FastRolloutEngine:
         for t in (buf.tokens, buf.pos, buf.done, buf.count, buf.limit, buf.req, buf.lead, buf.shared, buf.out_tok,
                   buf.out_lp):
             t[dst] = t[src]
-        buf.done[src] = True
+        buf.done.index_fill_(0, src, True)  # not `done[src] = True`: a scalar setitem waits for the GPU (state.py)
         buf.release(movers)  # a mover's rows are whole at its new slot; no slot reads its freed one
         for a, b in zip(movers, holes):
             running[b], length[b], sampled[b] = running.pop(a), length.pop(a), sampled.pop(a)
@@ -360,7 +360,8 @@ class FastRolloutEngine:
             buf.out_tok[slots, 0], buf.out_lp[slots, 0] = tok, lp
             buf.tokens[slots], buf.pos[slots], buf.req[slots] = tok, lengths, reqs
             buf.lead[slots], buf.shared[slots] = leader_slots[of], lengths  # the prompt's rows, read at the leader
-            buf.count[slots], buf.limit[slots] = 1, limit
+            buf.count.index_fill_(0, slots, 1)  # not `count[slots] = 1`, which waits for the GPU (state.py release)
+            buf.limit[slots] = limit
             buf.done[slots] = is_stop(tok, buf.stop_ids) | (limit <= 1)
             self.stats["prefills"] += 1
             self.stats["prefilled_prompts"] += len(chunk)
