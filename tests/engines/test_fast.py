@@ -35,6 +35,9 @@ def tiny_model(arch: str, eos: int | None = None) -> torch.nn.Module:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    with torch.no_grad():  # HF ones-inits the norms; make their weights matter (the Triton decode folds them: fused.py)
+        for norm in [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]:
+            norm.weight.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = eos
     return model.eval()
 

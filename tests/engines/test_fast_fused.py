@@ -48,6 +48,33 @@ def test_fused_forward_logits_match_within_fp32_rounding() -> None:
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
 
 
+def test_folded_norms_are_the_norm_weights_times_the_columns() -> None:
+    """fold_norms (the Triton decode's setting): wqkv = cat(wq, wk, wv) · diag(ln1), wgu = cat(wg, wu) · diag(ln2),
+    biases unscaled, ln1/ln2 None in the attached weights; a prefill through the folded views gives the plain
+    logits, since g ⊙ norm(x) · Wᵀ = norm(x) · (W · diag(g))ᵀ. The Triton side is checked by
+    triton_sampling_check.py (interpreter, CPU) and test_fast_gpu.py."""
+    from fleetrl.engines.fast.arch import model_weights
+    from fleetrl.engines.fast.forward import DecoderForward
+
+    model = tiny_model("qwen2")
+    plain = model_weights(model)
+    fwd = DecoderForward(model, make(model, False).spec, 16, torch.float32, torch.device("cpu"), kernels=None,
+                         fuse=True)
+    fwd.fused.fold_norms = True
+    fwd.refresh_fused()
+    lw, ref = fwd.weights().layers[1], plain.layers[1]
+    assert lw.ln1 is None and lw.ln2 is None
+    torch.testing.assert_close(lw.wqkv, torch.cat([ref.wq, ref.wk, ref.wv]) * ref.ln1[None, :], rtol=0, atol=0)
+    torch.testing.assert_close(lw.wgu, torch.cat([ref.wg, ref.wu]) * ref.ln2[None, :], rtol=0, atol=0)
+    torch.testing.assert_close(lw.bqkv, torch.cat([ref.bq, ref.bk, ref.bv]), rtol=0, atol=0)
+    assert float((ref.ln1 - 1).abs().max()) > 0.1  # tiny_model draws the norm weights: the fold is not a no-op
+    tokens, logits = torch.tensor([[5, 9, 2, 7, 11, 3]]), []
+    for f in (fwd, DecoderForward(model, fwd.spec, 16, torch.float32, torch.device("cpu"), kernels=None)):
+        k = torch.zeros(2, 1, 2, 16, 16)
+        logits.append(f.prefill(k, torch.zeros_like(k), tokens, torch.tensor([6]), torch.tensor([0])))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
 def test_memory_cost_formula() -> None:
     # tiny Qwen2: 2 layers, hidden 64, 4 heads x 16, 2 kv heads x 16, intermediate 128.
     # q + 2 kv = 64 + 2 x 32 = 128 rows; gate + up = 256 rows; (128 + 256) x 64 = 24,576 weights + 128 q/k/v

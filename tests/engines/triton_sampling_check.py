@@ -47,9 +47,12 @@ def check_fused_decode() -> None:
         model = tiny_model(arch)
         ids, mask = left_padded([3, 9, 6, 1])
         greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-        outs = [FastRolloutEngine(model, CharTokenizer(None), device="cpu", max_seq_len=64, kernels=kernels,
-                                  fuse_projections=fuse).generate(ids, mask, greedy)
-                for kernels, fuse in (("torch", False), ("triton", False), ("triton", True))]
+        engines = [FastRolloutEngine(model, CharTokenizer(None), device="cpu", max_seq_len=64, kernels=kernels,
+                                     fuse_projections=fuse)
+                   for kernels, fuse in (("torch", False), ("triton", False), ("triton", True))]
+        outs = [eng.generate(ids, mask, greedy) for eng in engines]
+        # the last decodes with its norms folded into the fused copies (forward.py `_decode_folded`)
+        assert engines[2]._fwd.weights().layers[0].ln1 is None and engines[1]._fwd.weights().layers[0].ln1 is not None
         for out in outs[1:]:
             assert torch.equal(out.responses, outs[0].responses), arch
             assert float((out.logprobs - outs[0].logprobs).abs().max()) < 1e-5, arch

@@ -36,7 +36,7 @@ class DecoderSpec:
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    ln1: torch.Tensor
+    ln1: torch.Tensor | None  # None: folded into wqkv (fused.py fold_norms), as ln2 into wgu
     wq: torch.Tensor
     bq: torch.Tensor | None
     wk: torch.Tensor
@@ -45,7 +45,7 @@ class LayerWeights:
     bv: torch.Tensor | None
     wo: torch.Tensor
     bo: torch.Tensor | None
-    ln2: torch.Tensor
+    ln2: torch.Tensor | None
     wg: torch.Tensor
     bg: torch.Tensor | None
     wu: torch.Tensor

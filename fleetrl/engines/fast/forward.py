@@ -26,11 +26,11 @@ from fleetrl.engines.fast.arch import (
 from fleetrl.engines.fast.fused import FusedProjections
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm/Qwen2RMSNorm, op for op."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm/Qwen2RMSNorm, op for op; weight None: folded into the next projection (fused.py)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return h.to(x.dtype) if weight is None else weight * h.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,8 +72,9 @@ class DecoderForward:
         self.shadow: ModelWeights | None = None
         # A LoRA actor's weights with its adapters merged (set by `merge_adapters`); None = no adapters.
         self.merged: ModelWeights | None = None
-        # Fused q/k/v and gate/up copies (fused.py), read at fixed addresses; None = the model's own tensors.
-        self.fused: FusedProjections | None = FusedProjections() if fuse else None
+        # Fused q/k/v and gate/up copies (fused.py), read at fixed addresses; None = the model's own tensors. The
+        # Triton decode folds the norms into them (`_decode_folded`); the torch path stays HF's op for op.
+        self.fused: FusedProjections | None = FusedProjections(fold_norms=kernels is not None) if fuse else None
 
     def weights(self) -> ModelWeights:
         if self.shadow is not None:
@@ -98,7 +99,7 @@ class DecoderForward:
         self.shadow = None  # free the previous copy first
         base = self.merged if self.merged is not None else model_weights(self.model)
         if self.fused is not None:  # cast straight into fused buffers of this call: no unfused copy is made
-            call = FusedProjections()
+            call = FusedProjections(fold_norms=self.fused.fold_norms)
             call.refresh(base, dtype)
             base = call.attach(base)
         self.shadow = cast_weights(base, dtype)
@@ -171,6 +172,8 @@ class DecoderForward:
         if lead is None or shared is None:
             lead, shared = torch.arange(len(tokens), device=tokens.device), torch.zeros_like(pos)
         x = F.embedding(tokens, w.embed)  # residual stream, updated in place by add_rmsnorm
+        if w.layers[0].ln1 is None:
+            return self._decode_folded(x, pos, k_cache, v_cache, lead, shared)
         h = torch.empty_like(x)
         delta = None
         for layer, lw in enumerate(w.layers):
@@ -188,6 +191,29 @@ class DecoderForward:
                 gate, up = self._linears(h, (lw.wg, lw.bg), (lw.wu, lw.bu))
             delta = F.linear(kn.silu_mul(gate, up), lw.wd, lw.bd)
         kn.add_rmsnorm(x, delta, w.norm, s.rms_eps, h)
+        return F.linear(h, w.lm_head)
+
+    def _decode_folded(self, x: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       lead: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """`_decode_triton` with the norms folded into the fused projections (fused.py): a layer is 6 launches,
+        not 8. The attention and SiLU·up kernels take each row's 1/rms from the residual stream x and add the
+        biases; the o and down GEMMs add into x in place (cuBLAS beta = 1), which is the residual add. At batch
+        256 each launch costs ~3 µs however small (bench/RESULTS.md, fifth and seventh rounds)."""
+        kn, s, w = self.kernels, self.spec, self.weights()
+        kv = s.num_kv_heads * s.head_dim
+        for layer, lw in enumerate(w.layers):
+            q, k, v = torch.mm(x, lw.wqkv.t()).split((s.num_heads * s.head_dim, kv, kv), dim=-1)
+            o = kn.decode_attention(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s, self.scale,
+                                    lead, shared, norm_of=x, bias=lw.bqkv)
+            x.addmm_(o, lw.wo.t())
+            if lw.bo is not None:
+                x.add_(lw.bo)
+            gate, up = torch.mm(x, lw.wgu.t()).chunk(2, dim=-1)
+            x.addmm_(kn.silu_mul(gate, up, norm_of=x, eps=s.rms_eps, bias=lw.bgu), lw.wd.t())
+            if lw.bd is not None:
+                x.add_(lw.bd)
+        h = torch.empty_like(x)
+        kn.add_rmsnorm(x, None, w.norm, s.rms_eps, h)
         return F.linear(h, w.lm_head)
 
     def _linears(self, h: torch.Tensor, *wb: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:

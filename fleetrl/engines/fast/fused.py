@@ -13,7 +13,13 @@ i.e. about half the model again (Qwen2.5-0.5B: 494 M parameters, 1.5B: 1.54 B), 
 `FastRolloutEngine.sleep`; and one copy of those bytes (read + write) each time the weights change, ~0.2 ms /
 ~0.8 ms at the H200's ~4.2 TB/s copy rate.
 
-Invariant: the copies equal the model's tensors whenever a decode runs. The engine marks them stale wherever it
+Folded norms (`fold_norms`, the Triton decode's setting): each layer's input RMSNorm weight is multiplied into
+wqkv's columns and its post-attention one into wgu's, W' = W·diag(g), since g ⊙ (x / rms(x)) · Wᵀ = (x · W'ᵀ) / rms(x).
+The 1/rms(x) per row and the biases are then applied by the kernel that reads the GEMM's output (attention,
+SiLU·up), so a decode layer launches no norm kernel (forward.py `_decode_folded`). The row views handed to a
+prefill are folded too, and `attach` sets ln1/ln2 to None so that every reader skips the weight.
+
+Invariant: the copies equal the model's tensors (folded, with fold_norms) whenever a decode runs. The engine marks them stale wherever it
 learns the weights changed (`weights_version` assigned — the trainer's colocated sync and `load_weights` both do
 — a parameter re-allocated, a LoRA merge) and `refresh` copies in place, so a captured CUDA graph keeps reading
 the same addresses.
@@ -37,9 +43,10 @@ def fused_nbytes(spec: DecoderSpec, intermediate: int, element_size: int, qkv_bi
 class FusedProjections:
     """wqkv [q + 2 kv, hidden], wgu [2 I, hidden] (and their biases, zero where a part has none) per layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, fold_norms: bool = False) -> None:
         self._layers: list[dict[str, torch.Tensor | None]] | None = None
         self.stale = True
+        self.fold_norms = fold_norms
 
     def release(self) -> None:
         """Frees the buffers; the next `refresh` allocates new ones (captured graphs must be dropped too)."""
@@ -56,8 +63,8 @@ class FusedProjections:
             self._layers = [_allocate(lw, dtype or lw.wq.dtype) for lw in weights.layers]
         for lw, fused in zip(weights.layers, self._layers):
             qkv, gu = (lw.wq, lw.wk, lw.wv), (lw.wg, lw.wu)
-            _copy_rows(fused["wqkv"], qkv, qkv)
-            _copy_rows(fused["wgu"], gu, gu)
+            _copy_rows(fused["wqkv"], qkv, qkv, lw.ln1 if self.fold_norms else None)
+            _copy_rows(fused["wgu"], gu, gu, lw.ln2 if self.fold_norms else None)
             if fused["bqkv"] is not None:
                 _copy_rows(fused["bqkv"], (lw.bq, lw.bk, lw.bv), qkv)
             if fused["bgu"] is not None:
@@ -66,9 +73,13 @@ class FusedProjections:
 
     def attach(self, weights: ModelWeights) -> ModelWeights:
         """`weights` with each layer's wqkv/wgu set and wq/wk/wv/wg/wu (and biases) replaced by row views of
-        them: the decode reads the fused matrices, a prefill the views, both the same memory."""
+        them: the decode reads the fused matrices, a prefill the views, both the same memory. With fold_norms,
+        ln1 and ln2 are None: their weights are in those matrices."""
         assert self._layers is not None and not self.stale, "fused projections used before refresh"
-        return dataclasses.replace(weights, layers=[_views(lw, f) for lw, f in zip(weights.layers, self._layers)])
+        layers = [_views(lw, f) for lw, f in zip(weights.layers, self._layers)]
+        if self.fold_norms:
+            layers = [dataclasses.replace(lw, ln1=None, ln2=None) for lw in layers]
+        return dataclasses.replace(weights, layers=layers)
 
 
 def _allocate(lw: LayerWeights, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
@@ -82,16 +93,20 @@ def _allocate(lw: LayerWeights, dtype: torch.dtype) -> dict[str, torch.Tensor | 
             "bqkv": rows(qkv) if has_bqkv else None, "bgu": rows(gu) if has_bgu else None}
 
 
-def _copy_rows(dst: torch.Tensor, parts: tuple[torch.Tensor | None, ...], weights: tuple[torch.Tensor, ...]) -> None:
+def _copy_rows(dst: torch.Tensor, parts: tuple[torch.Tensor | None, ...], weights: tuple[torch.Tensor, ...],
+               columns: torch.Tensor | None = None) -> None:
     """dst = cat(parts) along dim 0, in place (casting to dst's dtype); part i spans weights[i]'s rows. A missing
-    part (a projection without bias beside one with) is zeros: adding 0.0 is exact."""
+    part (a projection without bias beside one with) is zeros: adding 0.0 is exact. `columns`: multiply column j
+    by columns[j], in the parts' precision and rounded to dst's once."""
     start = 0
     for part, w in zip(parts, weights):
         n = w.shape[0]
         if part is None:
             dst[start: start + n].zero_()
-        else:
+        elif columns is None:
             dst[start: start + n].copy_(part)
+        else:
+            torch.mul(part, columns, out=dst[start: start + n])
         start += n
 
 

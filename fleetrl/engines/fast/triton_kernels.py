@@ -14,6 +14,9 @@ up to its own length.
                     the rest from L2; adjacent slots run together); a second kernel merges the splits' softmax
                     states (skipped when the batch alone fills the GPU and one split covers the cache)
   silu_mul          silu(gate) * up
+  (folded norms)    attention and silu_mul can also take the row's 1/rms from the residual stream and add the
+                    projection's bias themselves, when the norm weight is folded into the GEMM before them
+                    (fused.py fold_norms, forward.py `_decode_folded`): then a layer has no norm kernel
   sample            pass 1 reads the logits once (per block: max, sum of exp); pass 2 per row: log-sum-exp, then
                     the token in two exact stages (sampling.py): a block by inverse CDF over the block masses
                     (fp64), then a token within that block by the exponential race (Gumbel-max)
@@ -52,15 +55,41 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.c
 
 
 @triton.jit
+def _inv_rms(x_ptr, row, n_cols, eps, HB: tl.constexpr):
+    """1 / sqrt(mean(x[row]²) + eps) in fp32, as HF's RMSNorm takes it from the model-dtype residual."""
+    cols = tl.arange(0, HB)
+    x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+
+
+@triton.jit
+def _proj_load(ptr, offs, mask, rstd, b_ptr, b_offs, FOLD: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A projection's output as the layer reads it, in fp32: with FOLD the GEMM ran on the un-normalised x with
+    the norm weight folded in, so scale by the row's 1/rms, add the bias and round to the model dtype, where HF
+    rounds its biased GEMM output."""
+    v = tl.load(ptr + offs, mask=mask, other=0.0)
+    if FOLD:
+        f = v.to(tl.float32) * rstd
+        if HAS_BIAS:
+            f += tl.load(b_ptr + b_offs, mask=mask, other=0.0).to(tl.float32)
+        v = f.to(ptr.dtype.element_ty)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, lead_ptr, shared_ptr, o_ptr,
-                        m_ptr, l_ptr, out_ptr, scale, s_slot, s_head, s_pos, s_q, s_kv, H: tl.constexpr,
-                        KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                        m_ptr, l_ptr, out_ptr, x_ptr, b_ptr, n_hidden, eps, scale, s_slot, s_head, s_pos, s_q, s_kv,
+                        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                        SPLIT: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                        FOLD: tl.constexpr, HAS_BIAS: tl.constexpr, HB: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // KVH).to(tl.int64)
     kh = pid % KVH
     pos = tl.load(pos_ptr + b)
+    rstd = 1.0
+    if FOLD:
+        rstd = _inv_rms(x_ptr, b, n_hidden, eps, HB)
     length = (pos + 1).to(tl.int32)
     start = split * SPLIT
     end = tl.minimum(start + SPLIT, length)
@@ -74,9 +103,11 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, p
     sn = tl.load(sin_ptr + pos * D + d).to(tl.float32)
     sign = tl.where(d < D // 2, -1.0, 1.0)
     swap = (d + D // 2) % D
-    qp = q_ptr + b * s_q + heads[:, None] * D
-    q = (tl.load(qp + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * c[None, :]
-         + sign[None, :] * tl.load(qp + swap[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * sn[None, :])
+    qp = q_ptr + b * s_q
+    qo = heads[:, None] * D
+    q = (_proj_load(qp, qo + d[None, :], gmask[:, None], rstd, b_ptr, qo + d[None, :], FOLD, HAS_BIAS) * c[None, :]
+         + sign[None, :] * sn[None, :]
+         * _proj_load(qp, qo + swap[None, :], gmask[:, None], rstd, b_ptr, qo + swap[None, :], FOLD, HAS_BIAS))
     q = q.to(q_ptr.dtype.element_ty)
     base = b * s_slot + kh * s_head
     # Positions below `shared` are read from the leader slot's rows (equal to this slot's: the prefill copied
@@ -84,10 +115,13 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, p
     shared = tl.load(shared_ptr + b)
     lbase = tl.load(lead_ptr + b) * s_slot + kh * s_head
     if (start <= pos) & (pos < start + SPLIT):  # the one program of this head whose span holds the new token
-        kp = k_ptr + b * s_kv + kh * D
-        k_new = tl.load(kp + d).to(tl.float32) * c + sign * tl.load(kp + swap).to(tl.float32) * sn
+        kp, vp, kb = k_ptr + b * s_kv + kh * D, v_ptr + b * s_kv + kh * D, H * D + kh * D  # kb: k's bias column
+        every = d < D
+        k_new = (_proj_load(kp, d, every, rstd, b_ptr, kb + d, FOLD, HAS_BIAS) * c
+                 + sign * _proj_load(kp, swap, every, rstd, b_ptr, kb + swap, FOLD, HAS_BIAS) * sn)
         tl.store(kc_ptr + base + pos * s_pos + d, k_new.to(kc_ptr.dtype.element_ty))
-        tl.store(vc_ptr + base + pos * s_pos + d, tl.load(v_ptr + b * s_kv + kh * D + d))
+        v_new = _proj_load(vp, d, every, rstd, b_ptr, kb + KVH * D + d, FOLD, HAS_BIAS)
+        tl.store(vc_ptr + base + pos * s_pos + d, v_new.to(vc_ptr.dtype.element_ty))
     tl.debug_barrier()  # the block's cache writes are visible to all its threads before the loop reads them
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -140,12 +174,16 @@ def _decode_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, D: tl.constexpr, NSPLIT: 
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, s_in, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, x_ptr, b_ptr, n_cols, s_in, n_hidden, eps, BLOCK: tl.constexpr,
+                     FOLD: tl.constexpr, HAS_BIAS: tl.constexpr, HB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = tl.load(g_ptr + row * s_in + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * s_in + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0
+    if FOLD:
+        rstd = _inv_rms(x_ptr, row, n_hidden, eps, HB)
+    g = _proj_load(g_ptr + row * s_in, cols, mask, rstd, b_ptr, cols, FOLD, HAS_BIAS)
+    u = _proj_load(u_ptr + row * s_in, cols, mask, rstd, b_ptr, n_cols + cols, FOLD, HAS_BIAS)
     act = (g * tl.sigmoid(g)).to(y_ptr.dtype.element_ty).to(tl.float32)  # HF rounds silu() to the dtype first
     tl.store(y_ptr + row * n_cols + cols, (act * u).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -277,12 +315,15 @@ class TritonKernels:
 
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: DecoderSpec,
-                         scale: float, lead: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+                         scale: float, lead: torch.Tensor, shared: torch.Tensor, norm_of: torch.Tensor | None = None,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
         """q [nb, H·d], k, v [nb, KVH·d] of the new tokens (before RoPE; possibly column views of one fused GEMM
         output: rows strided, each row's heads contiguous) -> attention output [nb, H·d]. RoPE is applied to q
         and k, and k/v are written into the caches at each slot's position, inside the attention kernel.
         lead, shared [nb] long: slot b reads its positions below shared[b] from slot lead[b]'s cache rows, which
-        must hold the same values (a shared prompt's prefix; shared = 0 reads its own rows only)."""
+        must hold the same values (a shared prompt's prefix; shared = 0 reads its own rows only).
+        norm_of [nb, hidden]: q/k/v came from the un-normalised residual x with the norm weight folded into the
+        GEMM (fused.py); scale each row by its 1/rms(x) (eps = spec.rms_eps), then add `bias` [H·d + 2·KVH·d]."""
         assert q.stride(1) == k.stride(1) == v.stride(1) == 1 and k.stride(0) == v.stride(0)
         assert cos.shape[1] == spec.head_dim and cos.is_contiguous() and sin.is_contiguous()
         nb, max_len = q.shape[0], kc.shape[2]
@@ -291,23 +332,33 @@ class TritonKernels:
         m = torch.empty(nb, spec.num_heads, nsplit, dtype=torch.float32, device=q.device)
         lsum = torch.empty_like(m)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
+        fold = norm_of is not None
         _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
-            q, k, v, cos, sin, kc, vc, pos, lead, shared, parts, m, lsum, out, scale, kc.stride(0), kc.stride(1),
+            q, k, v, cos, sin, kc, vc, pos, lead, shared, parts, m, lsum, out, norm_of if fold else q,
+            bias if bias is not None else q, spec.hidden, spec.rms_eps, scale, kc.stride(0), kc.stride(1),
             kc.stride(2), q.stride(0), k.stride(0),
             H=spec.num_heads, KVH=spec.num_kv_heads, G=spec.group, G_PAD=max(16, _pow2(spec.group)),
             D=spec.head_dim, SPLIT=split, NSPLIT=nsplit, BLOCK_N=ATTN_BLOCK_N,
-            IEEE=q.dtype == torch.float32, num_warps=4)
+            IEEE=q.dtype == torch.float32, FOLD=fold, HAS_BIAS=fold and bias is not None,
+            HB=_pow2(spec.hidden), num_warps=4)
         if nsplit > 1:
             _decode_merge_kernel[(nb * spec.num_heads,)](parts, m, lsum, out, D=spec.head_dim, NSPLIT=nsplit,
                                                         S_PAD=max(2, _pow2(nsplit)), num_warps=2)
         return out
 
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """gate, up [n, I] (column views of one fused [n, 2I] output, or two contiguous tensors) -> [n, I]."""
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, norm_of: torch.Tensor | None = None, eps: float = 0.0,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """gate, up [n, I] (column views of one fused [n, 2I] output, or two contiguous tensors) -> [n, I].
+        norm_of [n, hidden]: folded norm (as in `decode_attention`): scale gate and up by each row's 1/rms, then
+        add `bias` [2I] (gate's, then up's)."""
         assert gate.stride() == up.stride() and gate.stride(1) == 1
         n, cols = gate.shape
         out = torch.empty(n, cols, dtype=gate.dtype, device=gate.device)
-        _silu_mul_kernel[(n, triton.cdiv(cols, 1024))](gate, up, out, cols, gate.stride(0), BLOCK=1024, num_warps=4)
+        fold = norm_of is not None
+        hidden = norm_of.shape[1] if fold else 1
+        _silu_mul_kernel[(n, triton.cdiv(cols, 1024))](
+            gate, up, out, norm_of if fold else gate, bias if bias is not None else gate, cols, gate.stride(0),
+            hidden, eps, BLOCK=1024, FOLD=fold, HAS_BIAS=fold and bias is not None, HB=_pow2(hidden), num_warps=4)
         return out
 
     def step_update(self, tok: torch.Tensor, lp: torch.Tensor, done: torch.Tensor, count: torch.Tensor,
