@@ -103,11 +103,12 @@ def test_host_work_between_syncs_never_waits_for_the_gpu(monkeypatch: pytest.Mon
     eng = _cuda_engine(tiny_model("qwen2"), max_batch=4, sync_every=4)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, max_new_tokens_per_sample=limits)
     ref = eng.generate(ids, mask, params)  # captures the graphs of every bucket this call reaches
+    before = dict(eng.stats)  # the stats add up over calls: the checked call's own work is the difference
     for name in ("_prefill", "_compact", "_decode_round"):
         monkeypatch.setattr(eng, name, _no_host_sync(getattr(eng, name)))
     monkeypatch.setattr(SlotBuffers, "release", _no_host_sync(SlotBuffers.release))
     out = eng.generate(ids, mask, params)
-    assert eng.stats["moved_slots"] > 0 and eng.stats["prefills"] > 1
+    assert eng.stats["moved_slots"] > before["moved_slots"] and eng.stats["prefills"] > before["prefills"] + 1
     assert torch.equal(out.responses, ref.responses) and out.response_mask.sum(1).tolist() == limits.tolist()
 
 

@@ -1,9 +1,11 @@
 """The fast engine's own Llama/Qwen2 forward: prefill of new prompts and one batched decode step.
 
 Written with torch ops (and optionally the fused Triton kernels of `triton_kernels.py` on CUDA), reading the
-weights from the HF modules (`arch.model_weights`). Every numerical step mirrors the HF modules (RMSNorm in
-fp32 then cast, RoPE from HF's own inv_freq, residual adds in the model dtype) so that on CPU fp32 it matches
-`model.generate` token for token.
+weights from the HF modules (`arch.model_weights`). The torch path mirrors the HF modules op for op (RMSNorm in
+fp32 then cast, RoPE from HF's own inv_freq, residual adds in the model dtype), so that on CPU fp32 it matches
+`model.generate` token for token. The Triton path with fused copies folds the norm weights into the projections
+and adds the residual inside the GEMMs (`_decode_folded`): the same math, rounded in other places (bf16 log-prob
+gap to the training forward unchanged, bench/RESULTS.md tenth round).
 
 Cache layout: k/v [layers, slots, kv_heads, max_seq_len, head_dim]; slot s holds its sequence from position 0
 (prompts are un-padded on admission, so no position offsets are needed).
@@ -73,8 +75,10 @@ class DecoderForward:
         # A LoRA actor's weights with its adapters merged (set by `merge_adapters`); None = no adapters.
         self.merged: ModelWeights | None = None
         # Fused q/k/v and gate/up copies (fused.py), read at fixed addresses; None = the model's own tensors. The
-        # Triton decode folds the norms into them (`_decode_folded`); the torch path stays HF's op for op.
-        self.fused: FusedProjections | None = FusedProjections(fold_norms=kernels is not None) if fuse else None
+        # Triton decode folds the norms into them (`_decode_folded`); the torch path stays HF's op for op. Not in
+        # fp16: a GEMM on the raw residual is rms(x) times larger, and fp16 tops out at 65,504.
+        fold = kernels is not None and dtype != torch.float16
+        self.fused: FusedProjections | None = FusedProjections(fold_norms=fold) if fuse else None
 
     def weights(self) -> ModelWeights:
         if self.shadow is not None:
@@ -171,9 +175,9 @@ class DecoderForward:
         kn, s, w = self.kernels, self.spec, self.weights()
         if lead is None or shared is None:
             lead, shared = torch.arange(len(tokens), device=tokens.device), torch.zeros_like(pos)
-        x = F.embedding(tokens, w.embed)  # residual stream, updated in place by add_rmsnorm
+        x = F.embedding(tokens, w.embed)  # residual stream, updated in place (add_rmsnorm, or addmm_ when folded)
         if w.layers[0].ln1 is None:
-            return self._decode_folded(x, pos, k_cache, v_cache, lead, shared)
+            return self._decode_folded(w, x, pos, k_cache, v_cache, lead, shared)
         h = torch.empty_like(x)
         delta = None
         for layer, lw in enumerate(w.layers):
@@ -193,13 +197,13 @@ class DecoderForward:
         kn.add_rmsnorm(x, delta, w.norm, s.rms_eps, h)
         return F.linear(h, w.lm_head)
 
-    def _decode_folded(self, x: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       lead: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    def _decode_folded(self, w: ModelWeights, x: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, lead: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """`_decode_triton` with the norms folded into the fused projections (fused.py): a layer is 6 launches,
         not 8. The attention and SiLU·up kernels take each row's 1/rms from the residual stream x and add the
         biases; the o and down GEMMs add into x in place (cuBLAS beta = 1), which is the residual add. At batch
         256 each launch costs ~3 µs however small (bench/RESULTS.md, fifth and seventh rounds)."""
-        kn, s, w = self.kernels, self.spec, self.weights()
+        kn, s = self.kernels, self.spec
         kv = s.num_kv_heads * s.head_dim
         for layer, lw in enumerate(w.layers):
             q, k, v = torch.mm(x, lw.wqkv.t()).split((s.num_heads * s.head_dim, kv, kv), dim=-1)

@@ -62,6 +62,8 @@ class FusedProjections:
         if self._layers is None:
             self._layers = [_allocate(lw, dtype or lw.wq.dtype) for lw in weights.layers]
         for lw, fused in zip(weights.layers, self._layers):
+            # the model's own (or merged) weights, never attached ones: those have the norms folded in already
+            assert not self.fold_norms or (lw.ln1 is not None and lw.ln2 is not None), "refresh from raw weights"
             qkv, gu = (lw.wq, lw.wk, lw.wv), (lw.wg, lw.wu)
             _copy_rows(fused["wqkv"], qkv, qkv, lw.ln1 if self.fold_norms else None)
             _copy_rows(fused["wgu"], gu, gu, lw.ln2 if self.fold_norms else None)
@@ -97,7 +99,7 @@ def _copy_rows(dst: torch.Tensor, parts: tuple[torch.Tensor | None, ...], weight
                columns: torch.Tensor | None = None) -> None:
     """dst = cat(parts) along dim 0, in place (casting to dst's dtype); part i spans weights[i]'s rows. A missing
     part (a projection without bias beside one with) is zeros: adding 0.0 is exact. `columns`: multiply column j
-    by columns[j], in the parts' precision and rounded to dst's once."""
+    by columns[j], in the promoted dtype of the two (fp32 in, fp32 product) and rounded to dst's dtype once."""
     start = 0
     for part, w in zip(parts, weights):
         n = w.shape[0]

@@ -2,8 +2,8 @@
 
 Why: a decode step is ~40 tiny torch ops per layer; inside a CUDA graph each still costs a few microseconds,
 which for a 0.5B model at batch 256 is more than the weight and KV reads themselves. These fusions cut a
-layer to 8 launches (with the fused q/k/v and gate/up copies), and the attention kernel reads each slot's KV only
-up to its own length.
+layer to 8 launches with the fused q/k/v and gate/up copies, 6 with the norms folded into them (plus a split
+merge at small batch), and the attention kernel reads each slot's KV only up to its own length.
 
   add_rmsnorm       x += delta (model dtype, as HF's residual add), y = RMSNorm(x) * w
   decode_attention  RoPE on the new q and k and k/v written into the cache at each slot's position (by the one
@@ -333,6 +333,7 @@ class TritonKernels:
         lsum = torch.empty_like(m)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
         fold = norm_of is not None
+        assert not fold or (norm_of.is_contiguous() and norm_of.shape == (nb, spec.hidden))
         _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
             q, k, v, cos, sin, kc, vc, pos, lead, shared, parts, m, lsum, out, norm_of if fold else q,
             bias if bias is not None else q, spec.hidden, spec.rms_eps, scale, kc.stride(0), kc.stride(1),
@@ -355,6 +356,7 @@ class TritonKernels:
         n, cols = gate.shape
         out = torch.empty(n, cols, dtype=gate.dtype, device=gate.device)
         fold = norm_of is not None
+        assert not fold or (norm_of.is_contiguous() and norm_of.shape[0] == n)
         hidden = norm_of.shape[1] if fold else 1
         _silu_mul_kernel[(n, triton.cdiv(cols, 1024))](
             gate, up, out, norm_of if fold else gate, bias if bias is not None else gate, cols, gate.stride(0),
