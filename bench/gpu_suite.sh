@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof decodelongtail
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof decodelongtail hostsync
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -125,6 +125,8 @@ for p in $PARTS; do case $p in
   decodelongtail)  # continuous vs static batching: 1024 samples (128 prompts x 8), long-tailed lengths, max batch 256
     run decode_longtail 300 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --longtail --group 8 \
       --batches 256 --repeats 2 --out "$OUT" ;;
+  hostsync)  # which host calls of the engine's overlapped work wait for the GPU (bench/host_sync_probe.py)
+    run host_sync_probe 60 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/host_sync_probe.py --out "$OUT" ;;
   trlpaged) run trlpaged 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/trl_grpo.py --mode paged --steps 3 --out "$OUT/trl_grpo_paged.json" ;;
 esac; done
 python3 - "$OUT" <<'PY'
