@@ -276,9 +276,8 @@ class FastRolloutEngine:
                 if finished and running else 0
             if finished:
                 with record_function("engine.harvest"):
-                    slots = list(finished)
-                    buf.release(slots)  # before a prefill or a compaction reuses their rows
-                    index = device_index(slots, self.device)
+                    index = device_index(list(finished), self.device)
+                    buf.release(index)  # before a prefill or a compaction reuses their rows
                     parts.append((list(finished.values()), buf.out_tok[index, :max_new], buf.out_lp[index, :max_new]))
                     for s, req in finished.items():
                         counts[req] = count[s]
@@ -323,7 +322,7 @@ class FastRolloutEngine:
                   buf.out_lp):
             t[dst] = t[src]
         buf.done.index_fill_(0, src, True)  # not `done[src] = True`: a scalar setitem waits for the GPU (state.py)
-        buf.release(movers)  # a mover's rows are whole at its new slot; no slot reads its freed one
+        buf.release(src)  # a mover's rows are whole at its new slot; no slot reads its freed one
         for a, b in zip(movers, holes):
             running[b], length[b], sampled[b] = running.pop(a), length.pop(a), sampled.pop(a)
         free[:] = sorted((set(free) - set(holes)) | set(movers))  # a sorted list is a valid heap

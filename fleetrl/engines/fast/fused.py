@@ -14,15 +14,16 @@ i.e. about half the model again (Qwen2.5-0.5B: 494 M parameters, 1.5B: 1.54 B), 
 ~0.8 ms at the H200's ~4.2 TB/s copy rate.
 
 Folded norms (`fold_norms`, the Triton decode's setting): each layer's input RMSNorm weight is multiplied into
-wqkv's columns and its post-attention one into wgu's, W' = W·diag(g), since g ⊙ (x / rms(x)) · Wᵀ = (x · W'ᵀ) / rms(x).
-The 1/rms(x) per row and the biases are then applied by the kernel that reads the GEMM's output (attention,
-SiLU·up), so a decode layer launches no norm kernel (forward.py `_decode_folded`). The row views handed to a
-prefill are folded too, and `attach` sets ln1/ln2 to None so that every reader skips the weight.
+wqkv's columns and its post-attention one into wgu's, W' = W·diag(g), since
+g ⊙ (x / rms(x)) · Wᵀ = (x · W'ᵀ) / rms(x). The 1/rms(x) per row and the biases are then applied by the kernel
+that reads the GEMM's output (attention, SiLU·up), so a decode layer launches no norm kernel (forward.py
+`_decode_folded`). The row views handed to a prefill are folded too, and `attach` sets ln1/ln2 to None so that
+every reader skips the weight.
 
-Invariant: the copies equal the model's tensors (folded, with fold_norms) whenever a decode runs. The engine marks them stale wherever it
-learns the weights changed (`weights_version` assigned — the trainer's colocated sync and `load_weights` both do
-— a parameter re-allocated, a LoRA merge) and `refresh` copies in place, so a captured CUDA graph keeps reading
-the same addresses.
+Invariant: the copies equal the model's tensors (folded, with fold_norms) whenever a decode runs. The engine
+marks them stale wherever it learns the weights changed (`weights_version` assigned — the trainer's colocated
+sync and `load_weights` both do — a parameter re-allocated, a LoRA merge) and `refresh` copies in place, so a
+captured CUDA graph keeps reading the same addresses.
 """
 from __future__ import annotations
 
