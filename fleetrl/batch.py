@@ -184,3 +184,12 @@ def _obj_array(items: Iterable[Any]) -> np.ndarray:
     for i, x in enumerate(items):
         arr[i] = x
     return arr
+
+
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor on `device`, queued like a kernel. Why: a plain host-to-GPU copy is from pageable memory and
+    then waits for the stream to drain, so the host would stop behind the work it queued to keep the GPU busy
+    (the fast engine's decode steps, the update's previous micro-batch); a pinned, non-blocking copy does not."""
+    if torch.device(device).type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

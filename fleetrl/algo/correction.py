@@ -117,9 +117,14 @@ def rollout_correction(
 
 def _metrics(ratio_BT: Tensor, weights_BT: Tensor, clipped_BT: Tensor, masked_BT: Tensor,
              valid_BT: Tensor) -> dict[str, Tensor]:
-    any_valid = bool(valid_BT.any())
-    ratio_max = ratio_BT[valid_BT].max() if any_valid else ratio_BT.new_ones(())
-    ratio_min = ratio_BT[valid_BT].min() if any_valid else ratio_BT.new_ones(())
+    # On the device, with no host read (a `bool(...)` or a boolean index here made every micro-batch of the
+    # update wait for its forward to finish before its backward could be queued: bench/RESULTS.md, eleventh round).
+    one = ratio_BT.new_ones(())  # the placeholder when no token is valid
+    ratio_max = ratio_min = one
+    if ratio_BT.numel():  # amax / amin of an empty tensor raise
+        any_valid = valid_BT.any()
+        ratio_max = torch.where(any_valid, torch.where(valid_BT, ratio_BT, -torch.inf).amax(), one)
+        ratio_min = torch.where(any_valid, torch.where(valid_BT, ratio_BT, torch.inf).amin(), one)
     return {
         "rollout_is/ratio_mean": masked_mean(ratio_BT, valid_BT),
         "rollout_is/ratio_max": ratio_max,

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from fleetrl.algo.fused_logprobs import fused_logprobs_entropy
+from fleetrl.batch import upload
 from fleetrl.models.decoder import NativeDecoder, packed_mask
 from fleetrl.models.logprobs import EntropyMode, _lm_head, check_head_only, head_stats
-from fleetrl.models.packing import PACK_ALIGN, PackedForward, pack, packed_head_stats, unpack_tokens
+from fleetrl.models.packing import PACK_ALIGN, HostRows, PackedForward, pack, packed_head_stats, unpack_tokens
 
 
 def bucket_length(n: int, floor: int = 64) -> int:
@@ -51,33 +52,39 @@ def compact_rows(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, respons
 def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP: torch.Tensor,
                            prompt_mask_BP: torch.Tensor, responses_BR: torch.Tensor, response_mask_BR: torch.Tensor,
                            *, temperature: float = 1.0, return_entropy: EntropyMode = False,
-                           chunk_size: int | None = None,
-                           fused_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           chunk_size: int | None = None, fused_chunk: int | None = None,
+                           host: HostRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `sequence_logprobs` (chunk_size likewise bounds the head's logits), through `decoder`. With
     `fused_chunk`, the head, log-softmax and entropy of the real response tokens run in the fused pass of
-    algo/fused_logprobs.py instead (no [tokens, vocab] tensor kept; chunk_size is then unused)."""
+    algo/fused_logprobs.py instead (no [tokens, vocab] tensor kept; chunk_size is then unused). host: CPU copies
+    of the four tensors, which the checks and index computations read instead (`packed_native_logprobs`)."""
     if temperature <= 0:
         raise ValueError(f"padded_native_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "actor.forward=native")
     mask_BR = response_mask_BR.to(torch.float32)
     if responses_BR.shape[1] == 0:
         return torch.zeros_like(mask_BR), (torch.zeros_like(mask_BR) if return_entropy else None)
-    if not bool(prompt_mask_BP.bool().any(1).all()):
+    # The checks and the width read the host copies when given: on device tensors each is a wait for the GPU.
+    _, prompt_mask, _, response_mask = host if host is not None else (None, prompt_mask_BP, None, response_mask_BR)
+    if not bool(prompt_mask.bool().any(1).all()):
         raise ValueError("actor.forward=native: every sample needs at least one prompt token (e.g. BOS) to "
                          "condition its first response token on; a row of prompt_mask is all 0")
-    real = int((prompt_mask_BP.sum(1) + response_mask_BR.sum(1)).max())
+    real = int((prompt_mask.sum(1) + response_mask.sum(1)).max())
     ids_BW, pred_BR = compact_rows(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, bucket_length(real))
     positions_BW = torch.arange(ids_BW.shape[1], device=ids_BW.device).expand_as(ids_BW)
     hidden_BWD = decoder.hidden(model, ids_BW, positions_BW)
     head = _lm_head(model)
     if fused_chunk is not None and getattr(head, "bias", None) is None:
         # Only the real response tokens' hidden states, as in the packed path: [M, D] rows of the flattened batch.
-        keep_BR = response_mask_BR.bool()
+        index_M = upload(torch.nonzero(response_mask.flatten()).flatten(), ids_BW.device)
         rows_BR = torch.arange(ids_BW.shape[0], device=ids_BW.device)[:, None] * ids_BW.shape[1] + pred_BR
-        hidden_MD = hidden_BWD.flatten(0, 1).index_select(0, rows_BR[keep_BR])
-        logp_M, ent_M = fused_logprobs_entropy(hidden_MD, head.weight, responses_BR[keep_BR], temperature=temperature,
-                                               chunk=fused_chunk, return_entropy=bool(return_entropy))
-        return unpack_tokens(logp_M, keep_BR), (unpack_tokens(ent_M, keep_BR) if return_entropy else None)
+        hidden_MD = hidden_BWD.flatten(0, 1).index_select(0, rows_BR.flatten()[index_M])
+        logp_M, ent_M = fused_logprobs_entropy(hidden_MD, head.weight, responses_BR.flatten()[index_M],
+                                               temperature=temperature, chunk=fused_chunk,
+                                               return_entropy=bool(return_entropy))
+        keep_BR = response_mask_BR.bool()
+        return (unpack_tokens(logp_M, keep_BR, index_M),
+                unpack_tokens(ent_M, keep_BR, index_M) if return_entropy else None)
     hidden_BRD = hidden_BWD.gather(1, pred_BR[..., None].expand(-1, -1, hidden_BWD.shape[-1]))
     logp_BR, ent_BR = head_stats(hidden_BRD, responses_BR, head, temperature, return_entropy, chunk_size)
     return logp_BR * mask_BR, (ent_BR * mask_BR if return_entropy else None)
@@ -87,16 +94,29 @@ def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
                            prompt_mask_BP: torch.Tensor, responses_BR: torch.Tensor, response_mask_BR: torch.Tensor,
                            *, temperature: float = 1.0, return_entropy: EntropyMode = False, fused_chunk: int | None = None,
                            attention: str = "dense", align: int = PACK_ALIGN, share_prompts: bool = False,
-                           max_segment: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           max_segment: int = 0, host: HostRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `packed_logprobs`, through `decoder`; attention: how the row's samples are kept apart (`packed_mask`:
     dense, flex, varlen or segments; max_segment: the varlen kernel's length bound, models/varlen.py).
-    share_prompts: consecutive samples with one prompt run it once (`pack`)."""
+    share_prompts: consecutive samples with one prompt run it once (`pack`). host: CPU copies of the four
+    tensors; then the row (and varlen segments) are built on the host and queued to the device. Why: built on
+    the GPU they take ~20 host reads of device values (nonzero, lengths), each waiting for the GPU to finish the
+    previous micro-batch's backward, after which it idles while this forward is queued."""
     if temperature <= 0:
         raise ValueError(f"packed_native_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "actor.forward=native")
-    pk = pack(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, align=align, share_prompts=share_prompts)
+    device = prompts_BP.device
+    rows = host if host is not None and device.type == "cuda" else (prompts_BP, prompt_mask_BP, responses_BR,
+                                                                    response_mask_BR)
+    pk = pack(*rows, align=align, share_prompts=share_prompts)
     # The bound covers a pad doc too (up to PACK_ALIGN tokens, `pack`), or short configs would see two bounds.
-    mask = packed_mask(pk.doc_N, pk.seg_N, attention, max(max_segment, PACK_ALIGN))
+    floor = max(max_segment, PACK_ALIGN)
+    if pk.doc_N.device != device:
+        # flex's BlockMask is built on the device it runs on; the varlen segments are built here and queued
+        mask = packed_mask(pk.doc_N, pk.seg_N, attention, floor).to(device) if attention == "varlen" else None
+        pk = pk.to(device)
+        mask = mask if mask is not None else packed_mask(pk.doc_N, pk.seg_N, attention, floor)
+    else:
+        mask = packed_mask(pk.doc_N, pk.seg_N, attention, floor)
     hidden_1ND = decoder.hidden(model, pk.input_ids_1N, pk.position_ids_1N, mask)
     return packed_head_stats(model, hidden_1ND[0], pk, temperature=temperature, return_entropy=return_entropy,
                              fused_chunk=fused_chunk)
@@ -120,15 +140,18 @@ class NativeForward:
 
     def __call__(self, model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                  responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float,
-                 return_entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 return_entropy: EntropyMode, host: HostRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """host: CPU copies of the four tensors, which the packed row is built from and the padded path's
+        checks read: neither then waits for the GPU."""
         args = (self.decoder, model, prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
         if self.packed is None:
             return padded_native_logprobs(*args, temperature=temperature, return_entropy=return_entropy,
-                                          chunk_size=self.chunk, fused_chunk=self.fused_chunk)
+                                          chunk_size=self.chunk, fused_chunk=self.fused_chunk, host=host)
         return packed_native_logprobs(*args, temperature=temperature, return_entropy=return_entropy,
                                       fused_chunk=self.packed.fused_chunk,
                                       attention=_mask_kind(self.packed.attention), align=self.packed.row_align,
-                                      share_prompts=self.packed.share_prompts, max_segment=self.packed.max_segment)
+                                      share_prompts=self.packed.share_prompts, max_segment=self.packed.max_segment,
+                                      host=host)
 
     def token_slots(self, prompt_mask_BP: torch.Tensor, response_mask_BR: torch.Tensor,
                     prompts_BP: torch.Tensor | None = None) -> tuple[int, int]:

@@ -17,16 +17,19 @@ by the hidden state of the real token before it.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Iterator
 
 import torch
 from torch import nn
 
 from fleetrl.algo.fused_logprobs import fused_logprobs_entropy
+from fleetrl.batch import upload
 from fleetrl.models.logprobs import EntropyMode, _chunk_stats, _lm_head, check_head_only
 
 PACK_ALIGN = 128  # flex attention's default block size
+# CPU copies of (prompts, prompt_mask, responses, response_mask): a packed row is built from them on the host
+HostRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 CPU_ALIGN = 16  # rows on CPU: 8 groups of SmolLM2's arithmetic GRPO took 3,072 token slots at 128, 2,880 at 16
 
 
@@ -47,6 +50,13 @@ class Packed:
     real_tokens: int             # tokens the forward computes, alignment pad excluded
     doc_N: torch.Tensor          # [N] doc id: a sample, or a shared prompt and its samples' responses
     seg_N: torch.Tensor          # [N] 0 = the doc's prompt, else the response's own id
+    response_index_M: torch.Tensor  # [M] flat index into [B * R] of each response token (`unpack_tokens`)
+
+    def to(self, device: torch.device | str) -> "Packed":
+        """The same row on `device`, every tensor through `upload` (queued; the host does not wait for the GPU)."""
+        moved = {f.name: upload(v, device) if isinstance(v, torch.Tensor) else v
+                 for f in fields(self) for v in [getattr(self, f.name)]}
+        return Packed(**moved)
 
 
 def same_prompt_as_previous(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> torch.Tensor:
@@ -102,24 +112,29 @@ def pack(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, responses_BR: t
     resp_keep_BR = keep_BL[:, P:]
     return Packed(input_ids_1N=input_ids[None], position_ids_1N=positions[None], pred_index_M=pred_M,
                   targets_M=responses_BR[resp_keep_BR], response_keep_BR=resp_keep_BR, real_tokens=n,
-                  doc_N=torch.cat([doc_BL[packed_BL], tail]), seg_N=torch.cat([seg_BL[packed_BL], tail * 0]))
+                  doc_N=torch.cat([doc_BL[packed_BL], tail]), seg_N=torch.cat([seg_BL[packed_BL], tail * 0]),
+                  response_index_M=torch.nonzero(resp_keep_BR.flatten()).flatten())
 
 
 def packed_logprobs(model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                     responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float = 1.0,
                     return_entropy: EntropyMode = False, fused_chunk: int | None = None,
-                    attention: str | None = None, align: int = PACK_ALIGN) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    attention: str | None = None, align: int = PACK_ALIGN,
+                    host: HostRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `sequence_logprobs` ([B, R] fp32 log-probs and entropy, 0 where masked), from one packed forward.
 
     fused_chunk: tokens per chunk of the fused projection + log-softmax (algo/fused_logprobs.py); None = the
     LM head over all M response tokens at once. attention: the transformers attention implementation for this
     forward (None = the model's own; packing needs eager, sdpa or flex_attention). align: the row is padded to a
-    multiple of it.
+    multiple of it. host: CPU copies of the four tensors, to pack on the host (`packed_native_logprobs` says why).
     """
     if temperature <= 0:
         raise ValueError(f"packed_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "packed_logprobs")
-    pk = pack(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, align=align)
+    if host is not None and prompts_BP.device.type == "cuda":
+        pk = pack(*host, align=align).to(prompts_BP.device)
+    else:
+        pk = pack(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, align=align)
     from fleetrl.models.value_head import backbone_of  # local import: value_head imports models.logprobs
 
     with attention_implementation(model, attention):
@@ -141,14 +156,19 @@ def packed_head_stats(model: nn.Module, hidden_ND: torch.Tensor, pk: Packed, *, 
     else:
         logp_M, ent_M = (t[0] for t in _chunk_stats(hidden_MH[None], pk.targets_M[None], head, temperature,
                                                     return_entropy))
-    logp_BR = unpack_tokens(logp_M, pk.response_keep_BR)
-    return logp_BR, (unpack_tokens(ent_M, pk.response_keep_BR) if return_entropy else None)
+    logp_BR = unpack_tokens(logp_M, pk.response_keep_BR, pk.response_index_M)
+    return logp_BR, (unpack_tokens(ent_M, pk.response_keep_BR, pk.response_index_M) if return_entropy else None)
 
 
-def unpack_tokens(x_M: torch.Tensor, keep_BR: torch.Tensor) -> torch.Tensor:
-    """[M] values at the True cells of keep_BR (row-major) -> [B, R] fp32 with 0 elsewhere; differentiable."""
+def unpack_tokens(x_M: torch.Tensor, keep_BR: torch.Tensor, index_M: torch.Tensor | None = None) -> torch.Tensor:
+    """[M] values at the True cells of keep_BR (row-major) -> [B, R] fp32 with 0 elsewhere; differentiable.
+    index_M: those cells' flat indices, when known (`Packed.response_index_M`). Why: masked_scatter's backward
+    is a masked_select, whose output size the host must read, so the backward waits for the GPU there (found in
+    a profile of the long-tailed update: a wait per micro-batch); a scatter by index backpropagates as a gather."""
     out = torch.zeros(keep_BR.shape, dtype=torch.float32, device=x_M.device)
-    return out.masked_scatter(keep_BR, x_M.float())
+    if index_M is None:
+        return out.masked_scatter(keep_BR, x_M.float())
+    return out.flatten().scatter(0, index_M, x_M.float()).view_as(out)
 
 
 @contextmanager
@@ -197,13 +217,13 @@ class PackedForward:
 
     def __call__(self, model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                  responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float,
-                 return_entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 return_entropy: EntropyMode, host: HostRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.share_prompts:
             raise ValueError("shared prompts in a packed row need actor.forward=native (HF derives its packed "
                              "attention mask from position ids, which cannot say 'this prompt, not that response')")
         return packed_logprobs(model, prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR,
                                temperature=temperature, return_entropy=return_entropy, fused_chunk=self.fused_chunk,
-                               attention=self.attention, align=self.row_align)
+                               attention=self.attention, align=self.row_align, host=host)
 
     @property
     def row_align(self) -> int:

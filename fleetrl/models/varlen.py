@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fleetrl.batch import upload
+
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - older torch: the native forward falls back to flex
@@ -47,6 +49,15 @@ class VarlenSegments:
     kv_index: torch.Tensor  # [K] long
     max_q: int
     max_k: int
+
+    def __post_init__(self) -> None:
+        for t in (self.q_cu, self.k_cu, self.kv_index):
+            torch._dynamo.mark_dynamic(t, 0)
+
+    def to(self, device: torch.device | str) -> "VarlenSegments":
+        """The same segments on `device`, queued (`upload`): built on the host, they cost the GPU no wait."""
+        return VarlenSegments(upload(self.q_cu, device), upload(self.k_cu, device), upload(self.kv_index, device),
+                              self.max_q, self.max_k)
 
 
 @dataclass(frozen=True)
@@ -90,7 +101,7 @@ def segments(doc_N: torch.Tensor, seg_N: torch.Tensor, floor: int = 0) -> Varlen
     """The varlen kernel's segments of a packed row (`segment_runs`). floor: max_q / max_k while every segment fits
     under it (a longer one raises them to its power of two: correct, at the cost of a recompile).
 
-    The offsets and key indices are marked dynamic along their length. Why: a compiled layer otherwise takes every
+    The offsets and key indices are marked dynamic along their length (on every copy: `VarlenSegments`). Why: a compiled layer otherwise takes every
     tensor's size as a constant, and a long-tailed micro-batch has a new segment count each time. Padding the
     counts to powers of two still left five sizes (8 to 128 segments), each a ~5 s compile inside a timed step, and
     the padding's empty segments are blocks the kernel launches for nothing (measured on an H200, bench/RESULTS.md,
@@ -100,8 +111,6 @@ def segments(doc_N: torch.Tensor, seg_N: torch.Tensor, floor: int = 0) -> Varlen
     q_cu = torch.cat([zero, runs.q_len_S.cumsum(0)]).int()
     k_cu = torch.cat([zero, runs.k_len_S.cumsum(0)]).int()
     max_q, max_k = (int(x) for x in torch.stack([runs.q_len_S.max(), runs.k_len_S.max()]).tolist())
-    for t in (q_cu, k_cu, runs.kv_index):
-        torch._dynamo.mark_dynamic(t, 0)
     return VarlenSegments(q_cu, k_cu, runs.kv_index, _bound(max_q, floor), _bound(max_k, floor))
 
 

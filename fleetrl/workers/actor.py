@@ -159,6 +159,7 @@ class ActorComponent:
         slots = (forward.token_slots(mb["prompt_mask"], mb["response_mask"], mb["prompts"]) if forward
                  else padded_token_slots(mb["prompt_mask"], mb["response_mask"]))
         host_mask = mb[spec.loss_mask]
+        host = (mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
         mb = mb.to(self.ctx.device(), non_blocking=True)
         on_policy = spec.old_logprobs == "current"
         need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here
@@ -166,7 +167,7 @@ class ActorComponent:
         # Without an entropy bonus the entropy is a metric only: computed detached, which saves its autograd graph.
         entropy = (True if algo.entropy_coef > 0 else "metric") if need_entropy else False
         kw = dict(temperature=gen_temperature(self.ctx), return_entropy=entropy)
-        logp, ent = forward(*args, **kw) if forward else sequence_logprobs(
+        logp, ent = forward(*args, **kw, host=host) if forward else sequence_logprobs(
             *args, **kw, chunk_size=self.chunk, share_prompts=self.ctx.cfg.actor.share_prompts and self.chunk is not None)
         mask = mb[spec.loss_mask].float()
         agg = dict(agg=algo.loss_agg, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, norm_len=counts.norm_len)

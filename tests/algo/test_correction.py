@@ -75,3 +75,13 @@ def test_bad_settings_name_the_field(kwargs, match):
         check_correction(**kwargs)
     with pytest.raises(ValueError, match=match):
         rollout_correction(OLD, ROLLOUT, MASK, **kwargs)
+
+
+def test_no_valid_token_gives_placeholder_extremes_without_a_host_read():
+    # An all-masked micro-batch (and an empty one) reports ratio max = min = 1, the placeholder; the statistics
+    # are computed on the device with torch.where, so CUDA's sync debug mode would not fire (GPU variant:
+    # tests/models/test_host_packing.py).
+    for old, mask in ((OLD, torch.zeros_like(MASK)), (OLD[:, :0], MASK[:, :0])):
+        _, m = rollout_correction(old, torch.zeros_like(old), mask, mode="tis", level="token", cap=2.0)
+        assert float(m["rollout_is/ratio_max"]) == 1.0 and float(m["rollout_is/ratio_min"]) == 1.0
+        assert float(m["rollout_is/weight_mean"]) == 0.0

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fleetrl.batch import upload
 from fleetrl.engines.fast.arch import DecoderSpec
 
 MAX_STOP_IDS = 32  # EOS ids + SamplingParams.stop_token_ids, padded with -1 (never a token id)
@@ -101,15 +102,6 @@ class SlotBuffers:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.out_tok, self.out_lp))
 
 
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on `device`, queued like a kernel. Why: a plain host-to-GPU copy is from pageable memory and
-    then waits for the stream to drain, so the host would stop behind the decode steps the engine queued to keep
-    the GPU busy while it works (engine.py `_run`); a pinned, non-blocking copy does not."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """values as a long tensor on `device`, through `upload`."""
+    """values as a long tensor on `device`, through `upload` (fleetrl/batch.py)."""
     return upload(torch.tensor(list(values), dtype=torch.long), device)
