@@ -117,8 +117,9 @@ def rollout_correction(
 
 def _metrics(ratio_BT: Tensor, weights_BT: Tensor, clipped_BT: Tensor, masked_BT: Tensor,
              valid_BT: Tensor) -> dict[str, Tensor]:
-    # On the device, with no host read (a `bool(...)` or a boolean index here made every micro-batch of the
-    # update wait for its forward to finish before its backward could be queued: bench/RESULTS.md, eleventh round).
+    # On the device, with no host read: a `bool(...)` or a boolean index here made every micro-batch of the
+    # update wait for its forward to finish before its backward could be queued (bench/RESULTS.md, "GPU speed,
+    # eleventh round").
     one = ratio_BT.new_ones(())  # the placeholder when no token is valid
     ratio_max = ratio_min = one
     if ratio_BT.numel():  # amax / amin of an empty tensor raise

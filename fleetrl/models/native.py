@@ -99,8 +99,9 @@ def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
     dense, flex, varlen or segments; max_segment: the varlen kernel's length bound, models/varlen.py).
     share_prompts: consecutive samples with one prompt run it once (`pack`). host: CPU copies of the four
     tensors; then the row (and varlen segments) are built on the host and queued to the device. Why: built on
-    the GPU they take ~20 host reads of device values (nonzero, lengths), each waiting for the GPU to finish the
-    previous micro-batch's backward, after which it idles while this forward is queued."""
+    the GPU they take ~20 host reads of device values (nonzero, lengths), each a wait for the GPU to drain; so
+    no micro-batch could be queued ahead of the GPU. Measured, those waits cost the long-tailed step little,
+    since the host is busy for the whole update anyway (bench/RESULTS.md, "GPU speed, eleventh round")."""
     if temperature <= 0:
         raise ValueError(f"packed_native_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "actor.forward=native")
