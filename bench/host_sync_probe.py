@@ -19,8 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import device_info, out_dir, write_json  # noqa: E402
+from fleetrl.batch import upload  # noqa: E402
 from fleetrl.engines.fast.arch import DecoderSpec  # noqa: E402
-from fleetrl.engines.fast.state import SlotBuffers, device_index, upload  # noqa: E402
+from fleetrl.engines.fast.state import SlotBuffers, device_index  # noqa: E402
 
 SLEEP_CYCLES = 100_000_000  # torch.cuda._sleep spins this many GPU clock cycles: ~50 ms at ~2 GHz
 

@@ -76,9 +76,8 @@ class Batch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         """non_blocking: CPU tensors go to a CUDA device through pinned memory without waiting for the GPU (from
         pageable memory a host-to-device copy first waits for every queued kernel to finish)."""
-        pin = non_blocking and torch.device(device).type == "cuda"
-        return Batch({k: (v.pin_memory() if pin and v.device.type == "cpu" else v).to(device, non_blocking=non_blocking)
-                      for k, v in self.tensors.items()}, dict(self.fields), dict(self.meta))
+        move = (lambda v: upload(v, device)) if non_blocking else (lambda v: v.to(device))
+        return Batch({k: move(v) for k, v in self.tensors.items()}, dict(self.fields), dict(self.meta))
 
     # ---------------------------------------------------------------- indexing
     def select(self, index: Sequence[int] | np.ndarray | torch.Tensor) -> "Batch":

@@ -19,9 +19,17 @@ from torch import nn
 
 from fleetrl.algo.fused_logprobs import fused_logprobs_entropy
 from fleetrl.batch import upload
-from fleetrl.models.decoder import NativeDecoder, packed_mask
+from fleetrl.models.decoder import Mask, NativeDecoder, packed_mask
 from fleetrl.models.logprobs import EntropyMode, _lm_head, check_head_only, head_stats
-from fleetrl.models.packing import PACK_ALIGN, HostRows, PackedForward, pack, packed_head_stats, unpack_tokens
+from fleetrl.models.packing import (
+    PACK_ALIGN,
+    HostRows,
+    Packed,
+    PackedForward,
+    pack,
+    packed_head_stats,
+    unpack_tokens,
+)
 
 
 def bucket_length(n: int, floor: int = 64) -> int:
@@ -65,7 +73,8 @@ def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
     if responses_BR.shape[1] == 0:
         return torch.zeros_like(mask_BR), (torch.zeros_like(mask_BR) if return_entropy else None)
     # The checks and the width read the host copies when given: on device tensors each is a wait for the GPU.
-    _, prompt_mask, _, response_mask = host if host is not None else (None, prompt_mask_BP, None, response_mask_BR)
+    prompt_mask, response_mask = (host.prompt_mask_BP, host.response_mask_BR) if host is not None else (
+        prompt_mask_BP, response_mask_BR)
     if not bool(prompt_mask.bool().any(1).all()):
         raise ValueError("actor.forward=native: every sample needs at least one prompt token (e.g. BOS) to "
                          "condition its first response token on; a row of prompt_mask is all 0")
@@ -92,35 +101,40 @@ def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
 
 def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP: torch.Tensor,
                            prompt_mask_BP: torch.Tensor, responses_BR: torch.Tensor, response_mask_BR: torch.Tensor,
-                           *, temperature: float = 1.0, return_entropy: EntropyMode = False, fused_chunk: int | None = None,
-                           attention: str = "dense", align: int = PACK_ALIGN, share_prompts: bool = False,
-                           max_segment: int = 0, host: HostRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           *, temperature: float = 1.0, return_entropy: EntropyMode = False,
+                           fused_chunk: int | None = None, attention: str = "dense", align: int = PACK_ALIGN,
+                           share_prompts: bool = False, max_segment: int = 0,
+                           host: HostRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `packed_logprobs`, through `decoder`; attention: how the row's samples are kept apart (`packed_mask`:
     dense, flex, varlen or segments; max_segment: the varlen kernel's length bound, models/varlen.py).
     share_prompts: consecutive samples with one prompt run it once (`pack`). host: CPU copies of the four
-    tensors; then the row (and varlen segments) are built on the host and queued to the device. Why: built on
-    the GPU they take ~20 host reads of device values (nonzero, lengths), each a wait for the GPU to drain; so
-    no micro-batch could be queued ahead of the GPU. Measured, those waits cost the long-tailed step little,
-    since the host is busy for the whole update anyway (bench/RESULTS.md, "GPU speed, eleventh round")."""
+    tensors, which the row is built from (`_row_and_mask`)."""
     if temperature <= 0:
         raise ValueError(f"packed_native_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "actor.forward=native")
-    device = prompts_BP.device
-    rows = host if host is not None and device.type == "cuda" else (prompts_BP, prompt_mask_BP, responses_BR,
-                                                                    response_mask_BR)
-    pk = pack(*rows, align=align, share_prompts=share_prompts)
+    rows = host if host is not None else HostRows(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
     # The bound covers a pad doc too (up to PACK_ALIGN tokens, `pack`), or short configs would see two bounds.
-    floor = max(max_segment, PACK_ALIGN)
-    if pk.doc_N.device != device:
-        # flex's BlockMask is built on the device it runs on; the varlen segments are built here and queued
-        mask = packed_mask(pk.doc_N, pk.seg_N, attention, floor).to(device) if attention == "varlen" else None
-        pk = pk.to(device)
-        mask = mask if mask is not None else packed_mask(pk.doc_N, pk.seg_N, attention, floor)
-    else:
-        mask = packed_mask(pk.doc_N, pk.seg_N, attention, floor)
+    pk, mask = _row_and_mask(rows, prompts_BP.device, attention, max(max_segment, PACK_ALIGN), align, share_prompts)
     hidden_1ND = decoder.hidden(model, pk.input_ids_1N, pk.position_ids_1N, mask)
     return packed_head_stats(model, hidden_1ND[0], pk, temperature=temperature, return_entropy=return_entropy,
                              fused_chunk=fused_chunk)
+
+
+def _row_and_mask(rows: HostRows, device: torch.device, attention: str, floor: int, align: int,
+                  share_prompts: bool) -> tuple[Packed, Mask]:
+    """The packed row of `rows` and its attention mask (`packed_mask`), on `device`. From host rows, the row and
+    varlen segments are built on the host and queued (`Packed.to`). Why: built on the GPU they take ~20 host
+    reads of device values (nonzero, lengths), each a wait for the GPU to drain, so no micro-batch could be
+    queued ahead of it. Measured, those waits cost the long-tailed step little, as the host is busy for the whole
+    update anyway (bench/RESULTS.md, "GPU speed, eleventh round"). Flex's BlockMask is built on the device from
+    the queued row, with no host read either (tests/models/test_host_packing.py); the padded segments, CPU's
+    kind, read lengths back."""
+    pk = pack(*rows, align=align, share_prompts=share_prompts)
+    mask = packed_mask(pk.doc_N, pk.seg_N, attention, floor) if attention == "varlen" else None
+    pk = pk.to(device)
+    if mask is None:
+        return pk, packed_mask(pk.doc_N, pk.seg_N, attention, floor)
+    return pk, mask.to(device)
 
 
 def _mask_kind(attention: str | None) -> str:
@@ -142,8 +156,8 @@ class NativeForward:
     def __call__(self, model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                  responses_BR: torch.Tensor, response_mask_BR: torch.Tensor, *, temperature: float,
                  return_entropy: EntropyMode, host: HostRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """host: CPU copies of the four tensors, which the packed row is built from and the padded path's
-        checks read: neither then waits for the GPU."""
+        """host: CPU copies of the four tensors, which the packed row (and varlen segments) are built from and
+        the padded path's checks and index read, instead of device values (`_row_and_mask`)."""
         args = (self.decoder, model, prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
         if self.packed is None:
             return padded_native_logprobs(*args, temperature=temperature, return_entropy=return_entropy,

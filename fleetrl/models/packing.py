@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -28,9 +28,17 @@ from fleetrl.batch import upload
 from fleetrl.models.logprobs import EntropyMode, _chunk_stats, _lm_head, check_head_only
 
 PACK_ALIGN = 128  # flex attention's default block size
-# CPU copies of (prompts, prompt_mask, responses, response_mask): a packed row is built from them on the host
-HostRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 CPU_ALIGN = 16  # rows on CPU: 8 groups of SmolLM2's arithmetic GRPO took 3,072 token slots at 128, 2,880 at 16
+
+
+class HostRows(NamedTuple):
+    """A micro-batch's four layout tensors on the host (CPU), which a packed row is built from before it is queued
+    to the GPU (`Packed.to`): built there, it would read device values back (`packed_native_logprobs`)."""
+
+    prompts_BP: torch.Tensor
+    prompt_mask_BP: torch.Tensor
+    responses_BR: torch.Tensor
+    response_mask_BR: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -131,10 +139,9 @@ def packed_logprobs(model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: 
     if temperature <= 0:
         raise ValueError(f"packed_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "packed_logprobs")
-    if host is not None and prompts_BP.device.type == "cuda":
-        pk = pack(*host, align=align).to(prompts_BP.device)
-    else:
-        pk = pack(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, align=align)
+    rows = host if host is not None else (prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
+    # HF's forward reads only the ids and positions; the doc / segment ids go up too, a few small copies
+    pk = pack(*rows, align=align).to(prompts_BP.device)
     from fleetrl.models.value_head import backbone_of  # local import: value_head imports models.logprobs
 
     with attention_implementation(model, attention):

@@ -42,7 +42,8 @@ class VarlenSegments:
     kv_index[k_cu[s]:k_cu[s+1]] (row indices). max_q / max_k: bounds of the lengths, which a compiled layer takes
     as constants: a fixed floor (the longest sample the run can make) keeps them to one value, so a long-tailed
     run does not recompile per micro-batch (measured: 7.9 s updates against 1.1 s while it did). The segment and
-    key counts change with every micro-batch; their tensors are marked dynamic (`segments`) for the same reason."""
+    key counts change with every micro-batch; their tensors are marked dynamic on every copy (`__post_init__`,
+    `segments` says why)."""
 
     q_cu: torch.Tensor      # [S+1] int32
     k_cu: torch.Tensor      # [S+1] int32
@@ -101,11 +102,11 @@ def segments(doc_N: torch.Tensor, seg_N: torch.Tensor, floor: int = 0) -> Varlen
     """The varlen kernel's segments of a packed row (`segment_runs`). floor: max_q / max_k while every segment fits
     under it (a longer one raises them to its power of two: correct, at the cost of a recompile).
 
-    The offsets and key indices are marked dynamic along their length (on every copy: `VarlenSegments`). Why: a compiled layer otherwise takes every
-    tensor's size as a constant, and a long-tailed micro-batch has a new segment count each time. Padding the
-    counts to powers of two still left five sizes (8 to 128 segments), each a ~5 s compile inside a timed step, and
-    the padding's empty segments are blocks the kernel launches for nothing (measured on an H200, bench/RESULTS.md,
-    ninth round)."""
+    The offsets and key indices are marked dynamic along their length (on every copy: `VarlenSegments`). Why: a
+    compiled layer otherwise takes every tensor's size as a constant, and a long-tailed micro-batch has a new
+    segment count each time. Padding the counts to powers of two still left five sizes (8 to 128 segments), each
+    a ~5 s compile inside a timed step, and the padding's empty segments are blocks the kernel launches for
+    nothing (measured on an H200, bench/RESULTS.md, ninth round)."""
     runs = segment_runs(doc_N, seg_N)
     zero = runs.q_len_S.new_zeros(1)
     q_cu = torch.cat([zero, runs.q_len_S.cumsum(0)]).int()

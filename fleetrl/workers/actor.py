@@ -15,7 +15,7 @@ from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
 from fleetrl.models.lora import apply_lora, store_frozen_base
 from fleetrl.models.native import NativeForward
-from fleetrl.models.packing import CPU_ALIGN, PACK_ALIGN, PackedForward, padded_token_slots
+from fleetrl.models.packing import CPU_ALIGN, PACK_ALIGN, HostRows, PackedForward, padded_token_slots
 from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.layout import pad_response, update_micro_batches
 from fleetrl.workers.messages import CorrectionSpec, Extreme, MiniBatchCounts, UpdateMetrics, UpdateSpec
@@ -159,7 +159,7 @@ class ActorComponent:
         slots = (forward.token_slots(mb["prompt_mask"], mb["response_mask"], mb["prompts"]) if forward
                  else padded_token_slots(mb["prompt_mask"], mb["response_mask"]))
         host_mask = mb[spec.loss_mask]
-        host = (mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
+        host = HostRows(mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
         mb = mb.to(self.ctx.device(), non_blocking=True)
         on_policy = spec.old_logprobs == "current"
         need_entropy = algo.entropy_coef > 0 or on_policy  # on-policy: the entropy metric comes from here

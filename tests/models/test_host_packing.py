@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from fleetrl.models import varlen
 from fleetrl.models.decoder import NativeDecoder
 from fleetrl.models.native import packed_native_logprobs, padded_native_logprobs
-from fleetrl.models.packing import pack, unpack_tokens
-from tests.models.test_native_forward import BATCH, MODELS, _batch
+from fleetrl.models.packing import HostRows, pack, unpack_tokens
+from tests.models.test_native_forward import BATCH, V, _batch
 
 
 def test_response_index_lists_the_response_cells_row_major():
@@ -29,23 +30,31 @@ def test_unpack_by_index_equals_masked_scatter_values_and_gradient():
     torch.testing.assert_close(by_index, unpack_tokens(x, keep))
 
 
-def test_varlen_segments_stay_dynamic_after_a_move():
-    doc, seg = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 0, 1, 0, 2])
-    moved = varlen.segments(doc, seg).to("cpu")
-    for t in (moved.q_cu, moved.k_cu, moved.kv_index):
+def test_every_copy_of_varlen_segments_is_marked_dynamic():
+    # A compiled layer takes a tensor's size as a constant unless that tensor itself is marked, so the copy a
+    # move makes must be marked too; fresh clones stand in for the device copies here.
+    s = varlen.segments(torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 0, 1, 0, 2]))
+    copy = varlen.VarlenSegments(s.q_cu.clone(), s.k_cu.clone(), s.kv_index.clone(), s.max_q, s.max_k)
+    for t, src in zip((copy.q_cu, copy.k_cu, copy.kv_index), (s.q_cu, s.k_cu, s.kv_index)):
+        assert t is not src and t.tolist() == src.tolist()
         assert 0 in getattr(t, "_dynamo_dynamic_indices", set())  # what torch._dynamo.mark_dynamic records
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention, share", [("varlen", True), ("dense", False), ("padded", False)])
+@pytest.mark.parametrize("attention, share", [("varlen", True), ("dense", False), ("flex", False),
+                                               ("padded", False)])
 def test_host_built_row_equals_device_built_and_never_waits_for_the_gpu(attention, share):
     # The compiled GPU layer over a packed row built on the host gives the device-built row's log-probs and
     # gradients; and once compiled, a micro-batch's forward + backward on the host-built row runs under CUDA's
     # sync debug mode "error", which raises at the first host read of device memory.
-    model = MODELS["qwen2_tied_bias"]().cuda().bfloat16()  # the flash varlen kernel takes bf16 / fp16 only
-    host = _batch([6, 2, 6, 6, 3], [7, 5, 3, 1, 7])
-    host = (host[0], host[1], host[2], host[3])
-    if share:  # rows 2-3 repeat row 0's prompt: one shared copy
+    # head_dim 16: flex attention's kernel needs at least 16; the flash varlen kernel takes bf16 / fp16 only
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).cuda().bfloat16()
+    host = HostRows(*_batch([6, 2, 6, 6, 3], [7, 5, 3, 1, 7]))
+    if share:  # rows 2-3 take row 0's prompt; neighbours only share, so rows 2-3 hold one copy between them
         for t in host[:2]:
             t[2:4] = t[0]
     dev = tuple(t.cuda() for t in host)

@@ -31,6 +31,7 @@ import torch
 from torch.profiler import record_function  # names the phases in a profile (bench/decode.py --longtail --profile)
 
 from fleetrl import heartbeat
+from fleetrl.batch import upload
 from fleetrl.engines.fast.arch import (
     DecoderSpec,
     model_weights,
@@ -41,7 +42,7 @@ from fleetrl.engines.fast.forward import DecoderForward
 from fleetrl.engines.fast.graphs import DecodeGraphs, batch_buckets, bucket_for
 from fleetrl.engines.fast.postprocess import assemble_output
 from fleetrl.engines.fast.sampling import SamplerKey, is_stop, sample
-from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers, device_index, upload
+from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers, device_index
 from fleetrl.engines.protocol import GenerationOutput, SamplingParams, response_limits
 
 KV_BUCKET = 256  # kv-length granularity of the torch-path graphs (the Triton path reads exact lengths)
