@@ -72,8 +72,8 @@ for p in $PARTS; do case $p in
   ltvarlen|ltshared)  # long-tailed lengths, packed native rows through the varlen kernel; ltshared with shared prompts
     extra=$([ "$p" = ltshared ] && echo actor.share_prompts=true || echo actor.packed_attention=varlen)
     run e2e1_longtail_$p 420 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 \
-      --lengths longtail --tag _longtail_$p --out "$OUT" actor.forward=native actor.compile=true \
-      algorithm.micro_batch_tokens=16384 $extra ;;
+      --lengths longtail --tag _longtail_$p${TOKENS:+_$TOKENS} --out "$OUT" actor.forward=native actor.compile=true \
+      algorithm.micro_batch_tokens=${TOKENS:-16384} $extra ;;
   checknative) run check_native 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/check_native.py --samples 32 ;;  # native == HF on GPU
   trainnative)  # plain update loop at 8x2048: eager HF vs compiled HF layers vs our own compiled forward
     run train_update_native 140 env CUDA_VISIBLE_DEVICES=0 python3 bench/train_update.py --native --shapes qwen2.5-0.5b \
