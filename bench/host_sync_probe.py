@@ -59,7 +59,7 @@ def main() -> None:
         "mask[lead] (gather)": lambda: mask[buf.lead],
         "torch.isin(lead, 29 values)": lambda: torch.isin(buf.lead, index),
         "torch.isin(lead, 10 values)": lambda: torch.isin(buf.lead, index[:10]),
-        "SlotBuffers.release (29 slots)": lambda: buf.release(slots),
+        "SlotBuffers.release (29 slots)": lambda: buf.release(device_index(slots, dev)),
     }
     rows = [{"call": name, "host_ms": host_ms(fn)} for name, fn in calls.items()]
     for row in rows:

@@ -76,8 +76,8 @@ class Batch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         """non_blocking: CPU tensors go to a CUDA device through pinned memory without waiting for the GPU (from
         pageable memory a host-to-device copy first waits for every queued kernel to finish)."""
-        move = (lambda v: upload(v, device)) if non_blocking else (lambda v: v.to(device))
-        return Batch({k: move(v) for k, v in self.tensors.items()}, dict(self.fields), dict(self.meta))
+        return Batch({k: upload(v, device) if non_blocking else v.to(device) for k, v in self.tensors.items()},
+                     dict(self.fields), dict(self.meta))
 
     # ---------------------------------------------------------------- indexing
     def select(self, index: Sequence[int] | np.ndarray | torch.Tensor) -> "Batch":

@@ -65,7 +65,7 @@ def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
     """As `sequence_logprobs` (chunk_size likewise bounds the head's logits), through `decoder`. With
     `fused_chunk`, the head, log-softmax and entropy of the real response tokens run in the fused pass of
     algo/fused_logprobs.py instead (no [tokens, vocab] tensor kept; chunk_size is then unused). host: CPU copies
-    of the four tensors, which the checks and index computations read instead (`packed_native_logprobs`)."""
+    of the four tensors, which the checks and index computations read instead (`_row_and_mask` says why)."""
     if temperature <= 0:
         raise ValueError(f"padded_native_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "actor.forward=native")
@@ -130,11 +130,10 @@ def _row_and_mask(rows: HostRows, device: torch.device, attention: str, floor: i
     the queued row, with no host read either (tests/models/test_host_packing.py); the padded segments, CPU's
     kind, read lengths back."""
     pk = pack(*rows, align=align, share_prompts=share_prompts)
-    mask = packed_mask(pk.doc_N, pk.seg_N, attention, floor) if attention == "varlen" else None
+    if attention == "varlen":
+        return pk.to(device), packed_mask(pk.doc_N, pk.seg_N, attention, floor).to(device)
     pk = pk.to(device)
-    if mask is None:
-        return pk, packed_mask(pk.doc_N, pk.seg_N, attention, floor)
-    return pk, mask.to(device)
+    return pk, packed_mask(pk.doc_N, pk.seg_N, attention, floor)
 
 
 def _mask_kind(attention: str | None) -> str:

@@ -33,7 +33,7 @@ CPU_ALIGN = 16  # rows on CPU: 8 groups of SmolLM2's arithmetic GRPO took 3,072 
 
 class HostRows(NamedTuple):
     """A micro-batch's four layout tensors on the host (CPU), which a packed row is built from before it is queued
-    to the GPU (`Packed.to`): built there, it would read device values back (`packed_native_logprobs`)."""
+    to the GPU (`Packed.to`): built there, it would read device values back (native.py `_row_and_mask`)."""
 
     prompts_BP: torch.Tensor
     prompt_mask_BP: torch.Tensor
@@ -62,9 +62,8 @@ class Packed:
 
     def to(self, device: torch.device | str) -> "Packed":
         """The same row on `device`, every tensor through `upload` (queued; the host does not wait for the GPU)."""
-        moved = {f.name: upload(v, device) if isinstance(v, torch.Tensor) else v
-                 for f in fields(self) for v in [getattr(self, f.name)]}
-        return Packed(**moved)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Packed(**{k: upload(v, device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
 
 
 def same_prompt_as_previous(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> torch.Tensor:
@@ -134,7 +133,7 @@ def packed_logprobs(model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: 
     fused_chunk: tokens per chunk of the fused projection + log-softmax (algo/fused_logprobs.py); None = the
     LM head over all M response tokens at once. attention: the transformers attention implementation for this
     forward (None = the model's own; packing needs eager, sdpa or flex_attention). align: the row is padded to a
-    multiple of it. host: CPU copies of the four tensors, to pack on the host (`packed_native_logprobs` says why).
+    multiple of it. host: CPU copies of the four tensors, to pack on the host (native.py `_row_and_mask` says why).
     """
     if temperature <= 0:
         raise ValueError(f"packed_logprobs: temperature must be > 0, got {temperature}")

@@ -22,11 +22,11 @@ def test_release_points_the_followers_of_stopped_slots_back_to_themselves() -> N
     # slots 0-2: one prompt of 5 tokens led by 0; slots 3-4: another of 7 led by 3; slot 5 alone
     buf.lead.copy_(torch.tensor([0, 0, 0, 3, 3, 5]))
     buf.shared.copy_(torch.tensor([5, 5, 5, 7, 7, 4]))
-    buf.release([0])
+    buf.release(torch.tensor([0]))
     assert buf.lead.tolist() == [0, 1, 2, 3, 3, 5]
     assert buf.shared.tolist() == [0, 0, 0, 7, 7, 4]
-    buf.release([4, 5])  # a follower stopping frees nobody else; a lone slot stops reading its own prefix
+    buf.release(torch.tensor([4, 5]))  # a follower stopping frees nobody else; a lone slot stops reading its own prefix
     assert buf.lead.tolist() == [0, 1, 2, 3, 3, 5]
     assert buf.shared.tolist() == [0, 0, 0, 7, 7, 0]
-    buf.release([3])
+    buf.release(torch.tensor([3]))
     assert buf.lead.tolist() == [0, 1, 2, 3, 4, 5] and buf.shared.tolist() == [0] * 6

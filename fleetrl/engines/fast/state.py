@@ -80,15 +80,14 @@ class SlotBuffers:
     def junk_col(self) -> int:
         return self.out_tok.shape[1] - 1
 
-    def release(self, slots: Sequence[int] | torch.Tensor) -> None:
-        """`slots` stop or move: every slot reading prefix rows there reads its own copy from now on. A long tensor
-        on the buffers' device is used as it is (the engine has uploaded those slots already)."""
+    def release(self, index: torch.Tensor) -> None:
+        """The slots in `index` (long, on the buffers' device: `device_index`) stop or move: every slot reading
+        prefix rows there reads its own copy from now on."""
         # A mask over the slots, read at each slot's leader. Not torch.isin: from ~22 values it sorts, and its
         # unique copies a count to the host, which would wait for the decode steps queued to overlap this work.
         # Nor `released[index] = True`: that copies the scalar up from pageable memory, which waits too (both
         # measured on an H200, bench/RESULTS.md tenth round). index_fill_ takes the value as a kernel argument.
         released = torch.zeros(self.slots, dtype=torch.bool, device=self.lead.device)
-        index = slots if isinstance(slots, torch.Tensor) else device_index(slots, self.lead.device)
         released.index_fill_(0, index, True)
         gone = released[self.lead]
         self.lead.copy_(torch.where(gone, torch.arange(self.slots, device=self.lead.device), self.lead))
