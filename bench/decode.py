@@ -291,8 +291,8 @@ def per_step(run: dict[str, list[float]], base: dict[str, list[float]], steps: i
 
 
 def profile(args, out: Path) -> None:
-    """Kernel-time breakdown of 32 decode steps at batch 256 (fused projections on/off, graphs on/off), the LM
-    head and the sampler timed alone, and the attention kernel's bandwidth alone, written to profile.txt."""
+    """Kernel-time breakdown of 32 decode steps at batch --profile-batch (fused projections on/off, graphs on/off),
+    the LM head and the sampler timed alone, and the attention kernel's bandwidth alone, written to profile.txt."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -302,9 +302,10 @@ def profile(args, out: Path) -> None:
 
     lines = []
     model = build_qwen2(args.profile_shape, torch.bfloat16, args.device)
-    ids, mask = prompts_for(256, args.prompt_len, model.config.vocab_size, args.device)
+    nb = args.profile_batch
+    ids, mask = prompts_for(nb, args.prompt_len, model.config.vocab_size, args.device)
     for graphs, fuse in ((True, True), (True, False), (False, True)):
-        eng = FastRolloutEngine(model, None, device=args.device, max_batch=256, max_seq_len=args.prompt_len + 64,
+        eng = FastRolloutEngine(model, None, device=args.device, max_batch=nb, max_seq_len=args.prompt_len + 64,
                                 use_cuda_graphs=graphs, fuse_projections=fuse)
         eng.generate(ids, mask, SamplingParams(max_new_tokens=8, seed=0))
         parts = []
@@ -312,12 +313,12 @@ def profile(args, out: Path) -> None:
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                 eng.generate(ids, mask, SamplingParams(max_new_tokens=new, seed=0))
             parts.append(kernel_parts(prof))
-        lines += [f"== {args.profile_shape} batch 256, 32 decode steps (+ prefill), cuda graphs={graphs}, "
+        lines += [f"== {args.profile_shape} batch {nb}, 32 decode steps (+ prefill), cuda graphs={graphs}, "
                   f"fused projections={fuse} ({_gib(eng._fwd.fused.nbytes()) if fuse else 0:.2f} GiB)",
                   "per decode step (the 33-token call minus the 1-token call, / 32):", *per_step(parts[1], parts[0], 32),
                   prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)]
         del eng
-    lines += head_and_sampler(model, args.device, 256)
+    lines += head_and_sampler(model, args.device, nb)
     kn = TritonKernels(torch.device(args.device))
     for name, heads, kv, dim in (("0.5b", 14, 2, 64), ("1.5b", 12, 2, 128)):
         spec = DecoderSpec(num_layers=1, hidden=heads * dim, num_heads=heads, num_kv_heads=kv, head_dim=dim,
@@ -398,6 +399,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="write profile.txt (kernel breakdown) and stop; with "
                    "--longtail: the GPU's idle time by engine phase in one continuous call")
     p.add_argument("--profile-shape", default="qwen2.5-0.5b")
+    p.add_argument("--profile-batch", type=int, default=256, help="--profile: decode batch of the breakdown")
     p.add_argument("--repeats", type=int, default=1, help="timed calls per row (the median is kept)")
     p.add_argument("--longtail", action="store_true", help="continuous vs static batching on long-tailed lengths")
     p.add_argument("--requests", type=int, default=1024, help="--longtail: samples in all")

@@ -25,12 +25,14 @@ class CharTokenizer:
         return "".join(chr(ord("!") + i) for i in ids)
 
 
-def tiny_model(arch: str, eos: int | None = None) -> torch.nn.Module:
+def tiny_model(arch: str, eos: int | None = None, **shape: int) -> torch.nn.Module:
+    """`shape`: SHAPE's fields to change (e.g. hidden_size for another head dim)."""
     torch.manual_seed(0)
+    dims = {**SHAPE, **shape}
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE, rope_theta=500000.0, eos_token_id=eos))
+        model = LlamaForCausalLM(LlamaConfig(**dims, rope_theta=500000.0, eos_token_id=eos))
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, eos_token_id=eos))  # q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**dims, eos_token_id=eos))  # q/k/v biases
         with torch.no_grad():  # HF zero-inits biases; make them matter
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

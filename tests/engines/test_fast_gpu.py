@@ -21,7 +21,7 @@ def _exact_matmuls():
 
 
 def _cuda_engine(model: torch.nn.Module, eos: int | None = None, **kw) -> FastRolloutEngine:
-    return FastRolloutEngine(model.cuda(), CharTokenizer(eos), device="cuda", max_seq_len=64, **kw)
+    return FastRolloutEngine(model.cuda(), CharTokenizer(eos), device="cuda", **{"max_seq_len": 64, **kw})
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -33,6 +33,18 @@ def test_graphs_and_kernels_decode_what_hf_decodes(arch: str, fuse: bool) -> Non
     eng = _cuda_engine(model, fuse_projections=fuse)
     assert eng.use_cuda_graphs
     out = eng.generate(ids.cuda(), mask.cuda(), SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert torch.equal(out.responses.cpu(), ref.cpu())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_each_head_dims_attention_launch_decodes_what_hf_decodes(head_dim: int) -> None:
+    """The attention kernel's launch (warps, pipeline stages) depends on the head dim (triton_kernels.ATTN_LAUNCH):
+    the 0.5B's 64 and the 1.5B's 128, at more cache positions than one tile."""
+    ids, mask = left_padded([70, 9, 40, 1])
+    model = tiny_model("qwen2", hidden_size=4 * head_dim, num_attention_heads=4)
+    ref = hf_greedy(model, ids, mask, 24, None)
+    out = _cuda_engine(model, max_seq_len=128).generate(ids.cuda(), mask.cuda(),
+                                                        SamplingParams(max_new_tokens=24, temperature=0.0))
     assert torch.equal(out.responses.cpu(), ref.cpu())
 
 
