@@ -30,7 +30,7 @@ from fleetrl.models.shapes import QWEN25  # noqa: E402
 
 PROMPT, NEW = 128, 256
 POSITIONS = (PROMPT + 32, PROMPT + 128, PROMPT + 224)
-LAUNCH = dict(tk.ATTN_LAUNCH)
+LAUNCH, BLOCK_N = dict(tk.ATTN_LAUNCH), tk.ATTN_BLOCK_N  # the engine's own, restored after each shape
 
 
 def spec_of(shape: str) -> DecoderSpec:
@@ -86,7 +86,7 @@ class Case:
 
 def configure(kern: tk.TritonKernels, head_dim: int, cfg: tuple[int, int, int, int] | None) -> None:
     """cfg: (positions per tile, warps, stages, splits; 0 = the launcher's rule), None = the engine's own launch."""
-    block_n, warps, stages, nsplit = cfg or (64, 0, 0, 0)
+    block_n, warps, stages, nsplit = cfg or (BLOCK_N, 0, 0, 0)
     tk.ATTN_BLOCK_N = block_n
     tk.ATTN_LAUNCH = {**LAUNCH, head_dim: (warps, stages)} if cfg else dict(LAUNCH)
     if nsplit:  # force the split count; otherwise the launcher's own rule (tk.TritonKernels.attention_splits)
@@ -103,26 +103,28 @@ def sweep(shape: str, nb: int, copy_bps: float) -> list[dict]:
     layers = range(case.spec.num_layers)
     configs = [None] + [c + (0,) for c in itertools.product((32, 64), (2, 4, 8), (1, 2, 3, 4))] + \
         [(64, 4, 3, 2), (32, 4, 3, 2), (64, 4, 3, 4)]
-    for group in (1, 8):
-        refs = {}
-        for cfg in configs:
-            configure(kern, case.spec.head_dim, cfg)
-            times, err = [], 0.0
-            for p in POSITIONS:
-                case.set(p, group)
-                out = case.call(kern, 0).float()
-                if cfg is None:
-                    refs[p] = out
-                err = max(err, (out - refs[p]).abs().max().item())
-                times.append(graph_time([lambda i=i: case.call(kern, i) for i in layers]))
-            us = sum(times) / len(times) * 1e6
-            floor = sum(case.floor_bytes(p, group) for p in POSITIONS) / len(POSITIONS) / copy_bps * 1e6
-            block_n, warps, stages, nsplit = cfg or (64, "engine", "engine", 0)
-            rows.append(dict(shape=shape, batch=nb, group=group, block_n=block_n, warps=warps, stages=stages,
-                             splits=nsplit or "auto", us=round(us, 2), floor_us=round(floor, 2),
-                             of_floor=round(floor / us, 3), max_abs_diff=float(f"{err:.2e}")))
-            print(rows[-1], flush=True)
-    configure(kern, case.spec.head_dim, None)
+    try:
+        for group in (1, 8):
+            refs = {}
+            for cfg in configs:
+                configure(kern, case.spec.head_dim, cfg)
+                times, err = [], 0.0
+                for p in POSITIONS:
+                    case.set(p, group)
+                    out = case.call(kern, 0).float()
+                    if cfg is None:
+                        refs[p] = out
+                    err = max(err, (out - refs[p]).abs().max().item())
+                    times.append(graph_time([lambda i=i: case.call(kern, i) for i in layers]))
+                us = sum(times) / len(times) * 1e6
+                floor = sum(case.floor_bytes(p, group) for p in POSITIONS) / len(POSITIONS) / copy_bps * 1e6
+                block_n, warps, stages, nsplit = cfg or (BLOCK_N, "engine", "engine", 0)
+                rows.append(dict(shape=shape, batch=nb, group=group, block_n=block_n, warps=warps, stages=stages,
+                                 splits=nsplit or "auto", us=round(us, 2), floor_us=round(floor, 2),
+                                 of_floor=round(floor / us, 3), max_abs_diff=float(f"{err:.2e}")))
+                print(rows[-1], flush=True)
+    finally:
+        configure(kern, case.spec.head_dim, None)
     return rows
 
 

@@ -40,14 +40,15 @@ def test_graphs_and_kernels_decode_what_hf_decodes(arch: str, fuse: bool) -> Non
 @pytest.mark.parametrize("max_seq_len", [128, 400])
 def test_each_attention_launch_decodes_what_hf_decodes(head_dim: int, max_seq_len: int) -> None:
     """The attention kernel's launch depends on the head dim (triton_kernels.ATTN_LAUNCH: the 0.5B's 64, the 1.5B's
-    128) and, below ~2 programs per SM, splits the cache span (`attention_splits`): at 400 positions and 4 slots
-    into 2 programs of 256 and a merge kernel, with the 300-token prompt's slot reading both; at 128, one."""
+    128) and, below ~2 programs per SM, splits the cache span (`attention_splits`): with a 300-token prompt the
+    cache holds 384 positions, split over 2 programs of 192 and a merge kernel, and that slot reads both; with a
+    70-token prompt, 128 positions and one program."""
     ids, mask = left_padded([300, 9, 140, 1] if max_seq_len > 256 else [70, 9, 40, 1])
     model = tiny_model("qwen2", hidden_size=4 * head_dim, num_attention_heads=4, max_position_embeddings=512)
     ref = hf_greedy(model, ids, mask, 24, None)
     eng = _cuda_engine(model, max_seq_len=max_seq_len)
-    assert eng.kernels.attention_splits(4, 2, max_seq_len)[0] == (2 if max_seq_len > 256 else 1)
     out = eng.generate(ids.cuda(), mask.cuda(), SamplingParams(max_new_tokens=24, temperature=0.0))
+    assert eng.kernels.attention_splits(4, 2, eng._buf.seq_len)[0] == (2 if max_seq_len > 256 else 1)
     assert torch.equal(out.responses.cpu(), ref.cpu())
 
 

@@ -33,7 +33,8 @@ from fleetrl.engines.fast.arch import DecoderSpec
 ATTN_SPLIT = 256      # cache positions per split program
 ATTN_BLOCK_N = 64     # positions per inner tile
 # (num_warps, num_stages) of the attention launch by head dim, from bench/decode_attn.py on an H200 (batch 256):
-# at 128, 2 warps and 2 stages ran 16-17% faster than 4 and 3; at 64 no launch beat 4 and 3 (Triton's default)
+# at 128, 2 warps and 2 stages ran 16-17% faster than 4 and 3; at 64 none beat 4 and 3 (Triton's default) by more
+# than the noise
 ATTN_LAUNCH = {128: (2, 2)}
 ATTN_LAUNCH_DEFAULT = (4, 3)
 SAMPLE_BLOCK_V = 4096  # logits per pass-1 program, and the block pass 2 draws its token from
