@@ -6,7 +6,7 @@
    forward (flex attention, fused chunked LM head) against `sequence_logprobs` on the padded layout (sdpa).
 2. Speed and memory, bf16 autocast, `--samples` long-tailed samples (bench/longtail.py lengths, 126-token
    prompts): forward + backward of one micro-batch, padded (log-softmax in 512-token chunks) vs packed + fused.
-Prints a table and a `RESULT {json}` line; exits 1 when a correctness figure is out of tolerance.
+Prints `key: value` lines and a `RESULT {json}` line; exits 1 when a correctness figure is out of tolerance.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ tokens/s/GPU = (prompt + response tokens of the step) / step time / GPUs.
 clipping at --max-len 1024 new tokens; bench/longtail.py documents the rule); local backend only (1 GPU).
 Reported besides: padding waste = 1 - real tokens / token slots of the actor update's forwards (a padded
 micro-batch computes B × (longest prompt + longest response) slots, a packed one its real tokens rounded up
-to 128); update MFU = (6·N·tokens + 12·L·H_attn·Σ len²) / update time / dense bf16 peak (bench/README.md);
+to the row alignment); update MFU = `update_flops` / update time / dense bf16 peak (bench/README.md);
 peak GPU memory over the whole run, warm-up included (the workers' train/memory/gpu_peak_allocated_gib, max over
 steps and ranks).
 """

