@@ -399,8 +399,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="write profile.txt (kernel breakdown) and stop; with "
                    "--longtail: the GPU's idle time by engine phase in one continuous call")
     p.add_argument("--profile-shape", default="qwen2.5-0.5b")
-    p.add_argument("--profile-batch", type=int, default=256, help="--profile: decode batch of the step breakdown, the LM head and the sampler "
-                   "(the attention kernel alone stays at 256)")
+    p.add_argument("--profile-batch", type=int, default=256, help="--profile: decode batch of the step breakdown, "
+                   "the LM head and the sampler (the attention kernel alone stays at 256)")
     p.add_argument("--repeats", type=int, default=1, help="timed calls per row (the median is kept)")
     p.add_argument("--longtail", action="store_true", help="continuous vs static batching on long-tailed lengths")
     p.add_argument("--requests", type=int, default=1024, help="--longtail: samples in all")

@@ -73,8 +73,8 @@ def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
     if responses_BR.shape[1] == 0:
         return torch.zeros_like(mask_BR), (torch.zeros_like(mask_BR) if return_entropy else None)
     # The checks and the width read the host copies when given: on device tensors each is a wait for the GPU.
-    prompt_mask, response_mask = (host.prompt_mask_BP, host.response_mask_BR) if host is not None else (
-        prompt_mask_BP, response_mask_BR)
+    rows = host if host is not None else HostRows(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
+    prompt_mask, response_mask = rows.prompt_mask_BP, rows.response_mask_BR
     if not bool(prompt_mask.bool().any(1).all()):
         raise ValueError("actor.forward=native: every sample needs at least one prompt token (e.g. BOS) to "
                          "condition its first response token on; a row of prompt_mask is all 0")

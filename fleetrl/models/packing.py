@@ -138,7 +138,7 @@ def packed_logprobs(model: nn.Module, prompts_BP: torch.Tensor, prompt_mask_BP: 
     if temperature <= 0:
         raise ValueError(f"packed_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "packed_logprobs")
-    rows = host if host is not None else (prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
+    rows = host if host is not None else HostRows(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
     # HF's forward reads only the ids and positions; the doc / segment ids go up too, a few small copies
     pk = pack(*rows, align=align).to(prompts_BP.device)
     from fleetrl.models.value_head import backbone_of  # local import: value_head imports models.logprobs

@@ -1,6 +1,6 @@
 """Packed-row attention as variable-length segments (`actor.packed_attention: varlen`, the native forward's GPU
-default with `actor.share_prompts`): torch's own FlashAttention varlen kernel (`torch.nn.attention.varlen.varlen_attn`) instead of a
-flex-attention BlockMask.
+default with `actor.share_prompts`): torch's own FlashAttention varlen kernel
+(`torch.nn.attention.varlen.varlen_attn`) instead of a flex-attention BlockMask.
 
 Why: with shared prompts (models/packing.py) a packed row is [prompt, response 1, ..., response n] per group, and
 a response must see its prompt and itself but not its siblings. As a flex BlockMask that is many partial blocks

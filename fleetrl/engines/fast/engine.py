@@ -18,8 +18,8 @@ finished responses and frees their slots. Nothing else syncs per token.
 
 Memory: the KV cache is sized by the calls, not by the limits: the first call allocates slots for its batch
 (a bucket: powers of two to 128, then steps of 64, at most `max_batch`) and positions for its longest prompt +
-max_new_tokens (rounded up to SEQ_GRANULE, at most `max_seq_len`); a later call that needs more grows it. At the limits' defaults
-(256 x 2048) a full cache of a 30-layer model would take 24 GB in fp32 on a laptop that needs 100 MB.
+max_new_tokens (rounded up to SEQ_GRANULE, at most `max_seq_len`); a later call that needs more grows it. At the
+limits' defaults (256 x 2048) a full cache of a 30-layer model would take 24 GB in fp32 on a laptop that needs 100 MB.
 """
 from __future__ import annotations
 
