@@ -2,8 +2,8 @@
 round).
 
 A long-tailed update's varlen rows have a new length (a multiple of 128) in many micro-batches, and every GEMM of
-the compiled layers takes that length as M. This probe queues ~50 ms of GPU sleep (`host_sync_probe.host_ms`), so
-no launch waits for the GPU, then times the host side of `torch.mm` at the 0.5B layer's widths: forward-like [M, 896] @ [896, N] and
+the compiled layers takes that length as M. This probe queues ~100 ms of GPU sleep, so no launch waits for the
+GPU, then times the host side of `torch.mm` at the 0.5B layer's widths: forward-like [M, 896] @ [896, N] and
 weight-gradient-like [N, M] @ [M, 896], for M values repeated and for M values not seen before.
 
     PYTHONPATH=. python bench/gemm_host_probe.py [--out DIR]     (CUDA only)
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,21 +20,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import device_info, out_dir, write_json  # noqa: E402
-from bench.host_sync_probe import host_ms  # noqa: E402
 
+SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: ~100 ms at ~2 GHz, longer than the calls timed behind it
 HIDDEN, WIDTHS = 896, (896, 1152, 4864, 9728)  # Qwen2.5-0.5B: model width; o, q/k/v, MLP, gate/up widths
 ROWS = 16384  # algorithm.micro_batch_tokens of the long-tailed bench
 
 
 def host_us_per_call(x: torch.Tensor, weights: dict[int, torch.Tensor], rows: list[int]) -> float:
-    """Mean host time in µs of a forward-like and a weight-gradient-like GEMM per width, for each M in rows, timed
-    once (`host_ms`: with GPU sleep queued; a second try would no longer see first-seen row counts)."""
-    def calls() -> None:
-        for m in rows:
-            for n, w in weights.items():
-                torch.mm(x[:m, :HIDDEN], w)
-                torch.mm(x[:m, :n].t(), x[:m, :HIDDEN])
-    return 1e3 * host_ms(calls, repeats=1) / (2 * len(rows) * len(weights))
+    """Mean host time in µs of a forward-like and a weight-gradient-like GEMM per width, for each M in rows."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    t0 = time.perf_counter()
+    for m in rows:
+        for n, w in weights.items():
+            torch.mm(x[:m, :HIDDEN], w)
+            torch.mm(x[:m, :n].t(), x[:m, :HIDDEN])
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / (2 * len(rows) * len(weights))
 
 
 def main() -> None:
