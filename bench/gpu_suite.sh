@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof decodelongtail hostsync
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof decodelongtail hostsync
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -95,6 +95,10 @@ for p in $PARTS; do case $p in
   e2e15)  # the 1.5B shape on 1 GPU, fixed lengths (issue: speed on GPU, item 5)
     run e2e1_1.5b 300 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/e2e.py --gpus 1 --engine fast --steps 5 --tag _1.5b \
       --out "$OUT" model.path=random:qwen2.5-1.5b algorithm.micro_batch_size=32 ;;
+  e2e7b1)  # the 7B shape on 1 H200 (~113 GiB peak): native compiled forward, packed shared-prompt rows, no offload
+    run e2e1_7b 580 env CUDA_VISIBLE_DEVICES=0 python3 bench/e2e.py --gpus 1 --engine fast --steps 5 --warmup 2 \
+      --tag _7b_1gpu --out "$OUT" model.path=random:qwen2.5-7b actor.forward=native actor.compile=true \
+      algorithm.micro_batch_tokens=${TOKENS:-8192} actor.share_prompts=true ;;
   e2e7b)  # the 7B shape on 2 GPUs: FSDP2 actor, colocated rollout, optimiser state offloaded to the host
     run e2e2_7b 560 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 3 --warmup 1 --tag _7b \
       --out "$OUT" model.path=random:qwen2.5-7b actor.sharding=fsdp2 actor.offload_optimizer=true \
