@@ -1,6 +1,7 @@
 """Resume is exact: 6 steps straight == 3 + resume + 3 (bitwise weights, identical metrics for steps 4-6);
 a DP=2 checkpoint resumes at DP=1; a truncated checkpoint is skipped with a warning."""
 import logging
+import shutil
 
 import pytest
 import torch
@@ -30,23 +31,42 @@ def _steps(records, lo, hi):
             for r in records if "event" not in r and lo <= r["step"] <= hi and any(k.startswith("train/") for k in r)]
 
 
-def test_exact_resume(tmp_path, ray_local):
-    straight = train_run("examples/ppo_tiny.yaml", tmp_path / "a", *BASE, "trainer.total_steps=6")
+DP2 = ("cluster.pools.main.workers_per_node=2", "cluster.pools.main.cpus_per_worker=0.5")
+
+
+# Two runs that several tests start from, trained once for the module (a train_run is ~10 s of CPU on the 2-core
+# VM); a test that writes into a run (resumes it, truncates a checkpoint) works on its own copy.
+@pytest.fixture(scope="module")
+def straight_6(tmp_path_factory, ray_local):
+    """6 steps straight (checkpoints at 3 and 6) and its records."""
+    out = tmp_path_factory.mktemp("straight") / "a"
+    return out, train_run("examples/ppo_tiny.yaml", out, *BASE, "trainer.total_steps=6")
+
+
+@pytest.fixture(scope="module")
+def dp2_3(tmp_path_factory, ray_local):
+    """3 steps at DP=2 (checkpoint at 3)."""
+    out = tmp_path_factory.mktemp("dp2") / "r"
+    train_run("examples/ppo_tiny.yaml", out, *BASE, *DP2, "trainer.total_steps=3")
+    return out
+
+
+def test_exact_resume(tmp_path, ray_local, straight_6):
+    run_a, straight = straight_6
     train_run("examples/ppo_tiny.yaml", tmp_path / "b", *BASE, "trainer.total_steps=3")
     resumed = train_run("examples/ppo_tiny.yaml", tmp_path / "b", *BASE, "trainer.total_steps=6", "trainer.resume=auto")
     assert any(r.get("event") == "resumed" for r in resumed)
     assert _steps(resumed, 4, 6) == _steps(straight, 4, 6) and len(_steps(straight, 4, 6)) == 3
     for role in ("actor", "critic"):
-        a = _weights(tmp_path / "a" / "checkpoints" / "step_6", role)
+        a = _weights(run_a / "checkpoints" / "step_6", role)
         b = _weights(tmp_path / "b" / "checkpoints" / "step_6", role)
         assert a.keys() == b.keys() and len(a) > 0
         for k in a:
             assert torch.equal(a[k], b[k]), f"{role} {k} differs after resume"
 
 
-def test_dp2_checkpoint_resumes_at_dp1(tmp_path, ray_local):
-    dp2 = ("cluster.pools.main.workers_per_node=2", "cluster.pools.main.cpus_per_worker=0.5")
-    train_run("examples/ppo_tiny.yaml", tmp_path / "r", *BASE, *dp2, "trainer.total_steps=3")
+def test_dp2_checkpoint_resumes_at_dp1(tmp_path, ray_local, dp2_3):
+    shutil.copytree(dp2_3, tmp_path / "r")
     saved = _weights(tmp_path / "r" / "checkpoints" / "step_3", "actor")
     records = train_run("examples/ppo_tiny.yaml", tmp_path / "r", *BASE, "trainer.total_steps=6",
                         "trainer.resume=auto")
@@ -58,14 +78,13 @@ def test_dp2_checkpoint_resumes_at_dp1(tmp_path, ray_local):
     assert any(not torch.equal(saved[k], after[k]) for k in saved), "training must continue after resume"
 
 
-def test_loaded_weights_equal_saved(tmp_path, ray_local):
+def test_loaded_weights_equal_saved(tmp_path, ray_local, dp2_3):
     from fleetrl.config import derive_plan, load_config
     from fleetrl.tracking.tracker import Tracker
     from fleetrl.trainer.trainer import Trainer
     from fleetrl.workers.worker import Worker
 
-    dp2 = ("cluster.pools.main.workers_per_node=2", "cluster.pools.main.cpus_per_worker=0.5")
-    train_run("examples/ppo_tiny.yaml", tmp_path / "s", *BASE, *dp2, "trainer.total_steps=3")
+    shutil.copytree(dp2_3, tmp_path / "s")
     saved = _weights(tmp_path / "s" / "checkpoints" / "step_3", "actor")
     cfg = load_config("examples/ppo_tiny.yaml", [*BASE, "trainer.resume=auto", "tracking.console=false"])
     trainer = Trainer(derive_plan(cfg), Tracker(tmp_path / "s", cfg.tracking, {}, "x"), tmp_path / "s")
@@ -79,8 +98,8 @@ def test_loaded_weights_equal_saved(tmp_path, ray_local):
         assert torch.equal(live[k.removeprefix("model.")], v)
 
 
-def test_truncated_checkpoint_is_skipped(tmp_path, ray_local, caplog):
-    train_run("examples/ppo_tiny.yaml", tmp_path / "t", *BASE, "trainer.total_steps=6")
+def test_truncated_checkpoint_is_skipped(tmp_path, straight_6, caplog):
+    shutil.copytree(straight_6[0], tmp_path / "t")
     victim = next((tmp_path / "t" / "checkpoints" / "step_6" / "actor").glob("*.distcp"))
     victim.write_bytes(victim.read_bytes()[:100])
     with caplog.at_level(logging.WARNING, logger="fleetrl.checkpoint"):
