@@ -4,8 +4,6 @@ two-worker pool on node B. The rule scorer is weighted 0 (RM-only), so the polic
 held-out success (validation scores with the rule, the ground truth) must still climb from < 20% to > 80%."""
 import pytest
 
-from fleetrl.config import derive_plan, load_config
-from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.trainer import Trainer
 from tests.integration.helpers import train_run, val_curve
 from tests.integration.rm_task import train_copy_rm
@@ -55,24 +53,38 @@ def copy_rm(tmp_path_factory):
     return str(path)
 
 
-def test_rm_pool_lands_on_its_node(tmp_path, three_nodes, copy_rm):
-    cfg = load_config("examples/quickstart.yaml", [*placed(copy_rm), "trainer.total_steps=1", "data.val=null",
-                                                   "tracking.console=false", "tracking.progress=false"])
-    plan = derive_plan(cfg)
+@pytest.fixture(scope="module")
+def rm_run(tmp_path_factory, three_nodes, copy_rm):
+    """One RM-only training run (120 steps) read by both tests: its metrics records, and what its trainer saw at the
+    end of fit() while its groups were still up (the plan it ran, the nodes of the reward_model workers, the last
+    step's metrics). A separate 1-step run for the placement would start the four workers (~20 s of CPU on the 2-core
+    VM) only to show what this run's workers show."""
+    seen: dict = {}
+    fit = Trainer.fit
+
+    def fit_and_record(self):
+        metrics = fit(self)
+        seen.update(plan=self.plan, metrics=metrics,
+                    where={i["node_id"] for i in self.group("reward_model").node_infos()})
+        return metrics
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "fit", fit_and_record)
+        records = train_run("examples/quickstart.yaml", tmp_path_factory.mktemp("rm_run") / "run", *placed(copy_rm),
+                            "trainer.total_steps=120", "trainer.val_every=30", "actor.optim.lr=0.0005")
+    return seen, records
+
+
+def test_rm_pool_lands_on_its_node(three_nodes, rm_run):
+    seen, _ = rm_run
+    plan = seen["plan"]
     assert plan.roles["reward_model"] == "rm" and plan.world["reward_model"] == 2
-    trainer = Trainer(plan, Tracker(tmp_path, cfg.tracking, {}, "rm"), tmp_path)
-    try:
-        metrics = trainer.fit()
-        where = {i["node_id"] for i in trainer.group("reward_model").node_infos()}
-    finally:
-        trainer.shutdown()
-    assert where == {three_nodes["node_b"]}
-    assert {"train/rm_score_mean", "train/rm_score_std", "train/rule_score_mean"} <= set(metrics)
+    assert seen["where"] == {three_nodes["node_b"]}
+    assert {"train/rm_score_mean", "train/rm_score_std", "train/rule_score_mean"} <= set(seen["metrics"])
 
 
-def test_policy_learns_from_rm_scores_alone(tmp_path, three_nodes, copy_rm):
-    records = train_run("examples/quickstart.yaml", tmp_path / "run", *placed(copy_rm), "trainer.total_steps=120",
-                        "trainer.val_every=30", "actor.optim.lr=0.0005")
+def test_policy_learns_from_rm_scores_alone(rm_run):
+    _, records = rm_run
     curve = val_curve(records)
     assert curve[0] < 0.2, f"initial held-out success {curve[0]} should start below 20%"
     assert curve[-1] > 0.8, f"held-out success curve {curve} did not pass 80% training on RM scores alone"
