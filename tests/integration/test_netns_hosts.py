@@ -6,6 +6,7 @@ through `fleetrl cluster up`), the critic pinned to the worker host.
 Skips with the reason when not root or `ip netns` is unavailable (CI runs as root)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -47,8 +48,10 @@ def _start_worker(b: netns.Host, a: netns.Host, root: Path, name: str) -> subpro
                    stdout=log, stderr=subprocess.STDOUT)
 
 
-@pytest.fixture()
-def hosts():
+@contextlib.contextmanager
+def _two_hosts():
+    """A Ray head on host A and a worker on host B joined through `fleetrl cluster up`; `cluster down` and the
+    namespaces' removal after."""
     root = Path(tempfile.mkdtemp(prefix="frn", dir="/tmp"))
     env = _env(root)
     with netns.netns_pair() as (a, b):
@@ -72,6 +75,21 @@ def hosts():
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture()
+def hosts():
+    with _two_hosts() as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def shared_hosts():
+    """One cluster for the tests at the end of the module (so that it is never up beside a test's own): the two-step
+    run leaves it as it found it, the node-loss test after it kills its worker host last. A cluster costs ~20 s of
+    CPU to bring up and down on the 2-core VM. Each test writes its own run directory."""
+    with _two_hosts() as h:
+        yield h
+
+
 def _pools(a_ip: str, b_ip: str) -> list[str]:
     return ["cluster.pools={main: {cpus_per_worker: 0.5, resources: {'node:%s': 0.01}}, "
             "far: {cpus_per_worker: 0.5, resources: {'node:%s': 0.01}}}" % (a_ip, b_ip),
@@ -79,19 +97,10 @@ def _pools(a_ip: str, b_ip: str) -> list[str]:
             "data.prompts_per_step=8", "algorithm.mini_batch_prompts=8", "data.val=null", "trainer.val_every=0"]
 
 
-def _drive(a: netns.Host, root: Path, *overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return a.run([sys.executable, str(REPO / "tests/integration/assets/netns_driver.py"), str(root / "run"),
+def _drive(a: netns.Host, root: Path, *overrides: str, run: str = "run",
+           timeout: float = 400) -> subprocess.CompletedProcess:
+    return a.run([sys.executable, str(REPO / "tests/integration/assets/netns_driver.py"), str(root / run),
                   f"cluster.address={a.ip}:{PORT}", *overrides], env=_env(root), timeout=timeout)
-
-
-def test_two_steps_with_critic_on_worker_host(hosts):
-    a, b, root = hosts
-    done = _drive(a, root, *_pools(a.ip, b.ip), "trainer.total_steps=2")
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    where = json.loads(done.stdout.split("WHERE ", 1)[1].splitlines()[0])
-    assert where == {"actor": a.ip, "rollout": a.ip, "ref": a.ip, "critic": b.ip}
-    steps = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps if "train/critic/vf_loss" in s] == [1, 2]
 
 
 def _kill_host_at_step(b: netns.Host, metrics: Path, step: int, state: dict, then=None) -> threading.Thread:
@@ -115,30 +124,6 @@ def _kill_host_at_step(b: netns.Host, metrics: Path, step: int, state: dict, the
     t = threading.Thread(target=kill, daemon=True)
     t.start()
     return t
-
-
-def test_node_loss_falls_back_to_the_surviving_host(hosts):
-    """No replacement comes: after restart_wait_s the configured fallback placement (everything on host A) runs."""
-    a, b, root = hosts
-    state: dict = {}
-    t = _kill_host_at_step(b, root / "run" / "metrics.jsonl", 3, state)
-    fallback = ["cluster.fallback_pools={main: {cpus_per_worker: 0.5, resources: {'node:%s': 0.01}}}" % a.ip,
-                "cluster.fallback_roles={actor: main, rollout: main, ref: main, critic: main}"]
-    t0 = time.monotonic()
-    done = _drive(a, root, *_pools(a.ip, b.ip), *fallback, "trainer.total_steps=6", "trainer.save_every=2",
-                  "trainer.max_restarts=1", "trainer.restart_wait_s=20", "cluster.placement_timeout_s=20", timeout=500)
-    elapsed = time.monotonic() - t0
-    t.join(timeout=5)
-    assert state.get("killed"), "the worker host was never killed"
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    where = json.loads(done.stdout.split("WHERE ", 1)[1].splitlines()[0])
-    assert where["critic"] == a.ip, "after the fallback the critic runs on the surviving host"
-    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("event") == "fallback_placement" for r in records)
-    # the fallback happens on the FIRST restart: Ray already knows the host is gone, so nothing waits for it
-    assert len([r for r in records if r.get("event") == "restart"]) == 1
-    assert {r["step"] for r in records if "train/reward_mean" in r} >= set(range(1, 7))
-    assert elapsed < 300, elapsed
 
 
 def test_node_loss_recovers_with_replacement(hosts):
@@ -216,3 +201,39 @@ def test_frozen_host_is_detected_named_and_recovered_by_the_fallback(hosts):
     assert {r["step"] for r in records if "train/reward_mean" in r} >= set(range(1, 6))
     # stall_s + one stack-dump deadline (25 s) + at most restart_wait_s for Ray's verdict + 45 s to rebuild and finish
     assert finished_at - frozen_at[0] < 6 + 25 + 60 + 45, finished_at - frozen_at[0]
+
+
+# The two tests on `shared_hosts` come last: the module's cluster is then up only after every test's own is down.
+def test_two_steps_with_critic_on_worker_host(shared_hosts):
+    a, b, root = shared_hosts
+    done = _drive(a, root, *_pools(a.ip, b.ip), "trainer.total_steps=2")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    where = json.loads(done.stdout.split("WHERE ", 1)[1].splitlines()[0])
+    assert where == {"actor": a.ip, "rollout": a.ip, "ref": a.ip, "critic": b.ip}
+    steps = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "train/critic/vf_loss" in s] == [1, 2]
+
+
+def test_node_loss_falls_back_to_the_surviving_host(shared_hosts):
+    """No replacement comes: after restart_wait_s the configured fallback placement (everything on host A) runs."""
+    a, b, root = shared_hosts
+    state: dict = {}
+    t = _kill_host_at_step(b, root / "fallback" / "metrics.jsonl", 3, state)
+    fallback = ["cluster.fallback_pools={main: {cpus_per_worker: 0.5, resources: {'node:%s': 0.01}}}" % a.ip,
+                "cluster.fallback_roles={actor: main, rollout: main, ref: main, critic: main}"]
+    t0 = time.monotonic()
+    done = _drive(a, root, *_pools(a.ip, b.ip), *fallback, "trainer.total_steps=6", "trainer.save_every=2",
+                  "trainer.max_restarts=1", "trainer.restart_wait_s=20", "cluster.placement_timeout_s=20", run="fallback",
+                  timeout=500)
+    elapsed = time.monotonic() - t0
+    t.join(timeout=5)
+    assert state.get("killed"), "the worker host was never killed"
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    where = json.loads(done.stdout.split("WHERE ", 1)[1].splitlines()[0])
+    assert where["critic"] == a.ip, "after the fallback the critic runs on the surviving host"
+    records = [json.loads(line) for line in (root / "fallback" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("event") == "fallback_placement" for r in records)
+    # the fallback happens on the FIRST restart: Ray already knows the host is gone, so nothing waits for it
+    assert len([r for r in records if r.get("event") == "restart"]) == 1
+    assert {r["step"] for r in records if "train/reward_mean" in r} >= set(range(1, 7))
+    assert elapsed < 300, elapsed
