@@ -103,6 +103,12 @@ for p in $PARTS; do case $p in
     run e2e2_7b 560 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 3 --warmup 1 --tag _7b \
       --out "$OUT" model.path=random:qwen2.5-7b actor.sharding=fsdp2 actor.offload_optimizer=true \
       model.gradient_checkpointing=true algorithm.micro_batch_size=8 cluster.init_timeout_s=400 ;;
+  e2e7bfast)  # e2e7b with the fast stack, which FSDP2 takes since engines/sharding.py: native compiled forward,
+    # packed shared-prompt rows (not run yet: no 2-GPU machine has been lent since)
+    run e2e2_7b_fast 580 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 3 --warmup 1 \
+      --tag _7b_fast --out "$OUT" model.path=random:qwen2.5-7b actor.sharding=fsdp2 actor.offload_optimizer=true \
+      actor.forward=native actor.compile=true algorithm.micro_batch_tokens=${TOKENS:-8192} actor.share_prompts=true \
+      cluster.init_timeout_s=400 ;;
   asyncsync)  # issue 15, nvidia-h200-x2: synchronous, rollout colocated with an actor of world 2 (long-tailed lengths)
     run async_e2e_sync 580 python3 bench/async_e2e.py --modes sync --steps 6 --warmup 2 --out "$OUT" $ASYNC_SET ;;
   asyncasync)  # issue 15: 1 rollout GPU generating while 1 actor GPU trains, max_staleness 1, TIS

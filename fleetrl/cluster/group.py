@@ -91,8 +91,13 @@ class WorkerGroup:
             self.workers = self._spawn(env or {})
         addr, port = self._get([self._invoke(self.workers[0], Worker.master_address)], timeout)[0][0]
         self.infos = self.call_all(Worker.node_info, timeout=timeout)  # pid/node of each rank, for stall reports
-        self.call_all(Worker.init_dist, addr, port, timeout, timeout=timeout)
-        self.call_all(Worker.build, timeout=timeout)
+        try:
+            self.call_all(Worker.init_dist, addr, port, timeout, timeout=timeout)
+            self.call_all(Worker.build, timeout=timeout)
+        except BaseException:
+            if backend == "local":  # in the driver's process: its process group must not outlive a failed build
+                self.shutdown()
+            raise
 
     def _ctx(self, rank: int) -> WorkerContext:
         return WorkerContext(plan=self.plan, pool=self.pool.name, roles=self.pool.roles, rank=rank,

@@ -114,18 +114,6 @@ def check_lora(cfg: RunConfig) -> None:
     if not lora.targets or any(not t.strip() for t in lora.targets):
         raise ConfigError(f"actor.lora.targets must list module names such as [q_proj, v_proj] or [all-linear]; "
                           f"got {list(lora.targets)}")
-    if cfg.actor.sharding == "fsdp2":
-        raise ConfigError("actor.lora with actor.sharding=fsdp2 is not supported yet: the adapters are a few MB, "
-                          "so set actor.sharding=none (the frozen base is not duplicated in optimiser state)")
-
-
-def check_native_forward(cfg: RunConfig) -> None:
-    """actor.forward=native's limits; whether the model is a Llama/Qwen2 decoder is checked when it loads."""
-    a = cfg.actor
-    if a.forward == "native" and a.sharding == "fsdp2":
-        # It calls the backbone's submodules directly, outside the root FSDP2 module's hooks (as the packed path).
-        raise ConfigError("actor.forward=native does not support actor.sharding=fsdp2. Set sharding=none, or "
-                          "forward=hf")
 
 
 def check_share_prompts(cfg: RunConfig) -> None:
@@ -139,11 +127,11 @@ def check_share_prompts(cfg: RunConfig) -> None:
             raise ConfigError("actor.share_prompts with actor.forward=native needs packed micro-batches: set "
                               "algorithm.micro_batch_tokens (e.g. 16384), or share_prompts=false")
         return
-    if a.logprob_chunk is None or budget is not None or a.sharding == "fsdp2":
+    if a.logprob_chunk is None or budget is not None:
         raise ConfigError(f"actor.share_prompts with actor.forward=hf works on the padded, chunked forward only; got "
-                          f"actor.logprob_chunk={a.logprob_chunk}, algorithm.micro_batch_tokens={budget}, "
-                          f"actor.sharding={a.sharding}. Set actor.logprob_chunk (e.g. 16), micro_batch_tokens=null "
-                          "and sharding=none; or actor.forward=native with micro_batch_tokens; or share_prompts=false")
+                          f"actor.logprob_chunk={a.logprob_chunk}, algorithm.micro_batch_tokens={budget}. Set "
+                          "actor.logprob_chunk (e.g. 16) and micro_batch_tokens=null; or actor.forward=native with "
+                          "micro_batch_tokens; or share_prompts=false")
 
 
 def one_of(key: str, value: str, choices: list[str]) -> None:

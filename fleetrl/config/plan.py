@@ -15,7 +15,6 @@ from fleetrl.config.checks import (
     check_env,
     check_lora,
     check_names,
-    check_native_forward,
     check_sampling,
     check_share_prompts,
     did_you_mean,
@@ -189,7 +188,6 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     check_env(cfg)
     check_lora(cfg)
     check_share_prompts(cfg)
-    check_native_forward(cfg)
     use_critic = cfg.algorithm.advantage == "gae"
     use_ref = cfg.algorithm.kl.placement != "none"
     use_rm = cfg.rewards.model is not None  # the reward_model role exists only with rewards.model set
@@ -361,10 +359,6 @@ def _packing(cfg: RunConfig) -> int | None:
         raise ConfigError(f"actor.packed_attention={a.packed_attention} is the native forward's (models/"
                           f"{a.packed_attention}.py); with actor.forward=hf choose auto, flex_attention, "
                           "flash_attention_2, sdpa or eager, or set actor.forward=native")
-    if budget is not None and a.sharding == "fsdp2":
-        # The packed forward calls the backbone and LM head directly, outside the root FSDP2 module's hooks.
-        raise ConfigError("algorithm.micro_batch_tokens (packed forward) does not support actor.sharding=fsdp2 "
-                          "yet; set micro_batch_tokens=null or sharding=none")
     return budget
 
 

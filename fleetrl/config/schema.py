@@ -209,8 +209,10 @@ class LoraConfig:
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sharding: Literal["none", "fsdp2"] = "none"
-    """none (each data-parallel rank holds the full model; gradients all-reduced) | fsdp2 (GPU: parameters,
-    gradients and optimiser state sharded with FSDP2; a colocated rollout unshards once per generate)."""
+    """none (each data-parallel rank holds the full model; gradients all-reduced) | fsdp2 (parameters,
+    gradients and optimiser state sharded with FSDP2 over the pool's ranks, NCCL on GPU or gloo on CPU, one shard
+    on one rank; every actor.forward, micro-batch layout and LoRA works on it; a colocated rollout unshards once
+    per generate)."""
     logprob_chunk: int | None = None
     """Tokens per chunk when computing log-softmax over the vocabulary (None = whole sequence at once)."""
     fused_logprob_chunk: int | None = None
@@ -228,7 +230,7 @@ class ActorConfig:
     """Modelling code of the actor's log-prob forwards: hf (transformers' own, any causal LM) | native (our own
     pure-torch Llama/Qwen2 decoder, models/decoder.py: reads the HF modules' parameters in place, so LoRA,
     optimiser, checkpoints and weight sync are unchanged; padded rows run causal SDPA with no mask, packed rows
-    flex attention (shared prompts with share_prompts); not with sharding=fsdp2)."""
+    flex attention (shared prompts with share_prompts); FSDP2-sharded too)."""
     compile: bool = False
     """torch.compile each decoder layer for the training forward/backward (the first step compiles). With
     forward=native (GPU and CPU): our layer function, fullgraph; static shapes on GPU (padded widths rounded to

@@ -4,8 +4,9 @@ Data parallelism: every rank sums its micro-batch losses, each already normalise
 sequence count of the mini-batch (see algo.losses.aggregate), so the exact full-batch gradient is the SUM of
 the ranks' gradients. We all-reduce gradients with SUM ourselves (flattened, one collective per dtype) instead
 of DDP, whose mean would need a world-size rescale and whose bucket hooks fight with gradient accumulation.
-On GPU with `sharded=True` the model is wrapped with FSDP2 (`fully_shard`), which reduce-scatters with a mean;
-there we scale the loss by the world size to get the same sum.
+With `sharded=True` (and a process group, of one rank or more) the model is wrapped with FSDP2
+(engines/sharding.py; NCCL on GPU, gloo on CPU), which reduce-scatters with a mean; there we scale the loss by
+the world size to get the same sum.
 
 Mixed precision: with `autocast_dtype` (e.g. bfloat16) the forward of each micro-batch runs under
 torch.autocast, so matmuls run in bf16 while parameters, gradients and Adam state stay in the model dtype
@@ -14,10 +15,11 @@ lr=1e-6 step). On a CPU with AVX512-BF16 this halves the update time of SmolLM2-
 """
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,11 @@ from torch import nn
 
 from fleetrl import heartbeat
 from fleetrl.config.schema import OptimConfig
+from fleetrl.engines.sharding import same_count_on_every_rank, shard
 from fleetrl.models.hf import release_freed_memory
+
+log = logging.getLogger("fleetrl.training")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,13 +72,18 @@ class TrainingEngine:
         self.autocast_dtype = autocast_dtype
         self.dist = dist_info
         self.device = torch.device(device)
-        self.sharded = sharded and self.device.type == "cuda" and dist_info.active
+        if dist_info.active:
+            _broadcast_from_rank0([p for p in model.parameters() if p.requires_grad], dist_info.group)
+        # One rank too, when the worker made a group for it (workers/worker.py `init_dist`): FSDP2 with one shard.
+        self.sharded = sharded and dist.is_initialized()
+        if sharded and not self.sharded:
+            log.warning("sharding=fsdp2 without a process group: the model is not sharded")
         if self.sharded:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in _decoder_layers(model):
-                fully_shard(layer)
-            fully_shard(model)
+            if not dist_info.active:
+                log.warning("sharding=fsdp2 on one rank: FSDP2 with one shard saves no memory and costs time (4-14% "
+                            "of a 0.5B step on an H200, bench/RESULTS.md, fourteenth round); it runs the sharded "
+                            "code path as N ranks would. Set sharding=none for one-GPU speed")
+            shard(model, _decoder_layers(model))
         params = [p for p in model.parameters() if p.requires_grad]
         # CUDA: the fused kernel. CPU: the per-parameter loop, not foreach: foreach saves kernel launches (none on
         # CPU) but builds temporaries for every parameter at once (+1 model size, 540 MB for SmolLM2-135M).
@@ -96,10 +107,13 @@ class TrainingEngine:
         totals: dict[str, float | torch.Tensor] = {}
         nonfinite: torch.Tensor | float = 0.0
         scale = self.dist.world_size if self.sharded else 1.0
-        for mb in micro_batches:
+        for mb, real in self.aligned(micro_batches):
             heartbeat.beat()
             with self.autocast():
                 loss, metrics = loss_fn(mb)
+            if not real:  # a repeat that keeps FSDP2's collectives in step with other ranks: adds no gradient
+                (loss * 0.0).backward()
+                continue
             (loss * scale).backward()
             nonfinite = nonfinite + (~torch.isfinite(loss.detach())).float()
             for k, v in metrics.items():
@@ -127,6 +141,10 @@ class TrainingEngine:
             # (generation) would otherwise start from the update's high-water mark.
             release_freed_memory(collect=False)  # the step's tensors hold no cycles: refcounting freed them
         return {**totals, "grad_norm": norm, "lr": lr}
+
+    def aligned(self, micro_batches: Iterable[T]) -> list[tuple[T, bool]]:
+        """(micro-batch, real) pairs, padded with repeats to every FSDP2 rank's count (engines/sharding.py)."""
+        return same_count_on_every_rank(micro_batches, self.device, self.dist.group, sharded=self.sharded)
 
     def autocast(self) -> AbstractContextManager:
         """The forward's mixed-precision context (a no-op without autocast_dtype); backward runs outside it."""
@@ -173,6 +191,16 @@ class TrainingEngine:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(params: list[torch.Tensor], group: object | None) -> None:
+    """Every rank starts from rank 0's trainable weights, as DDP does. Why: weights a run creates rather than
+    loads (peft's LoRA A matrices) are drawn from each worker's generator, which is seeded by its rank, so the
+    ranks' adapters would differ and data parallelism would average gradients of different models."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for p in params:
+        dist.broadcast(p.data, src=src, group=group)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -17,8 +17,8 @@ which plain causal SDPA with no mask is exact for them; packed rows (fleetrl/mod
 their sample through a flex-attention BlockMask or varlen segments (GPU), padded segments (CPU,
 models/segments.py) or a dense block-diagonal causal mask (the fallback, tests).
 
-Not supported (config validation says so): FSDP2-sharded actors (this forward calls the backbone's submodules
-directly, outside the root module's FSDP2 hooks, like the packed path) and attention dropout.
+FSDP2-sharded actors: each layer call runs inside that layer's FSDP2 hooks (engines/sharding.py `gathered_call`),
+and the caller wraps the whole forward in the root's. Not supported (checked when the model loads): attention dropout.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fleetrl.engines.fast.arch import SUPPORTED_MODEL_TYPES, DecoderSpec, read_spec
 from fleetrl.engines.fast.forward import apply_rope, rms_norm  # HF's ops, shared with decode
+from fleetrl.engines.sharding import gathered_call
 from fleetrl.errors import UserError
 from fleetrl.models import segments, varlen
 from fleetrl.models.segments import PaddedSegments
@@ -156,18 +157,27 @@ class NativeDecoder:
             x = x.detach().requires_grad_()
         cos, sin = rope_cos_sin(model, position_ids_BL, x.dtype)
         recompute = _checkpointing(model) and model.training and torch.is_grad_enabled()
-        if self.compiled and isinstance(mask, VarlenSegments):
-            # A varlen row is as long as its micro-batch's tokens (rounded to PACK_ALIGN, not padded to the budget:
-            # `PackedForward.row_align`), so its length is a dynamic size of the one compiled graph. A later
-            # layer's input, unmarked, still matches that graph's guards.
-            for t in (x, cos, sin):
+        # A varlen row is as long as its micro-batch's tokens (rounded to PACK_ALIGN, not padded to the budget:
+        # `PackedForward.row_align`), so its length is a dynamic size of the one compiled graph.
+        dynamic_row = self.compiled and isinstance(mask, VarlenSegments)
+        if dynamic_row:
+            for t in (cos, sin):
                 torch._dynamo.mark_dynamic(t, 1)
         for layer in model.model.layers:
-            if recompute:
-                x = checkpoint(self.layer_fn, layer, x, cos, sin, self.spec, mask, use_reentrant=False)
-            else:
-                x = self.layer_fn(layer, x, cos, sin, self.spec, mask)
+            # Sharded: the layer's FSDP2 hooks gather its weights around the call (outside the checkpoint, whose
+            # recompute in backward runs after the pre-backward hook has gathered them again).
+            args = (self._layer, layer, x, cos, sin, mask, dynamic_row)
+            x = (gathered_call(layer, checkpoint, *args, use_reentrant=False) if recompute
+                 else gathered_call(layer, *args))
         return rms_norm(x, model.model.norm.weight, self.spec.rms_eps)
+
+    def _layer(self, layer: nn.Module, x_BLD: torch.Tensor, cos_BLQ: torch.Tensor, sin_BLQ: torch.Tensor,
+               mask: Mask, dynamic_row: bool) -> torch.Tensor:
+        if dynamic_row:
+            # Marked here, on the tensor the compiled layer receives: FSDP2's pre-forward hook hands the layer a
+            # new tensor (its backward hook's output), which would not carry a mark made on the embedding's.
+            torch._dynamo.mark_dynamic(x_BLD, 1)
+        return self.layer_fn(layer, x_BLD, cos_BLQ, sin_BLQ, self.spec, mask)
 
 
 def _without_duck_sizing(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -8,6 +8,7 @@ import torch
 from fleetrl import heartbeat
 from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss, rollout_correction
 from fleetrl.batch import Batch
+from fleetrl.engines.sharding import gathered_call
 from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models import varlen
 from fleetrl.models.decoder import NativeDecoder
@@ -41,23 +42,27 @@ def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.n
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temperature: float,
                      chunk: int | None, entropy: bool, packed: PackedForward | None = None,
-                     share_prompts: bool = False,
-                     native: NativeForward | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     share_prompts: bool = False, native: NativeForward | None = None,
+                     engine: TrainingEngine | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) [B, R] of the response tokens under `model`, micro-batch by micro-batch
     (token-budget micro-batches through the packed forward when `packed` is given; through our own decoder
-    forward, padded or packed as it was built, when `native` is given)."""
+    forward, padded or packed as it was built, when `native` is given). engine: `model`'s training engine, whose
+    FSDP2 ranks must all run as many micro-batches (`TrainingEngine.aligned`)."""
     model.eval()
     device = next(model.parameters()).device
     logps, ents = [], []
-    for mb in update_micro_batches(batch, micro, packed.max_tokens if packed else None,
-                                   bool(packed and packed.share_prompts)):
+    mbs = update_micro_batches(batch, micro, packed.max_tokens if packed else None, bool(packed and packed.share_prompts))
+    for mb, real in engine.aligned(mbs) if engine is not None else ((mb, True) for mb in mbs):
         heartbeat.beat()
         mb = mb.to(device)
         args = (model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
         forward = native or packed
-        lp, ent = (forward(*args, temperature=temperature, return_entropy=entropy) if forward else
-                   sequence_logprobs(*args, temperature=temperature, return_entropy=entropy, chunk_size=chunk,
-                                     share_prompts=share_prompts and chunk is not None))
+        extra = {} if forward else dict(chunk_size=chunk, share_prompts=share_prompts and chunk is not None)
+        # Sharded (FSDP2): these forwards read the root's weights (embedding, LM head) outside model.forward.
+        lp, ent = gathered_call(model, forward or sequence_logprobs, *args, temperature=temperature,
+                                return_entropy=entropy, **extra)
+        if not real:  # a repeat that keeps FSDP2's gathers in step with other ranks
+            continue
         full_r = mb.meta.get("full_response_len", lp.shape[1])
         logps.append(pad_response(lp.float().cpu(), full_r))
         if entropy:
@@ -119,16 +124,10 @@ class ActorComponent:
             store_frozen_base(model, dtype_of(ctx.plan.lora_base_dtype))
         self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info,
                                      total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),
-                                     sharded=ctx.cfg.actor.sharding == "fsdp2",
+                                     sharded=ctx.sharded("actor"),
                                      autocast_dtype=None if ctx.cfg.actor.autocast == "off" else dtype_of(ctx.cfg.actor.autocast))
         self.packed = packed_forward(ctx, native=ctx.cfg.actor.forward == "native")
-        self.native = native_forward(ctx, model, self.packed, self.chunk)
-
-    @property
-    def chunk(self) -> int | None:
-        # The chunked path calls the backbone and LM head directly, bypassing the root FSDP2 module's hooks
-        # that gather the embedding and head; sharded models go through model(...) unchunked.
-        return None if self.engine.sharded else self.ctx.cfg.actor.logprob_chunk
+        self.native = native_forward(ctx, model, self.packed, ctx.cfg.actor.logprob_chunk)
 
     def precision(self) -> AbstractContextManager:
         """The context of a log-prob pass outside the update: the update's autocast where the frozen base is
@@ -138,9 +137,10 @@ class ActorComponent:
     def compute_logprobs(self, batch: Batch) -> Batch:
         with self.precision():
             logp, ent = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
-                                         temperature=gen_temperature(self.ctx), chunk=self.chunk, entropy=True,
-                                         packed=self.packed, share_prompts=self.ctx.cfg.actor.share_prompts,
-                                         native=self.native)
+                                         temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
+                                         entropy=True, packed=self.packed,
+                                         share_prompts=self.ctx.cfg.actor.share_prompts, native=self.native,
+                                         engine=self.engine)
         return Batch({"old_logprobs": logp, "entropy": ent})
 
     def update(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
@@ -167,8 +167,13 @@ class ActorComponent:
         # Without an entropy bonus the entropy is a metric only: computed detached, which saves its autograd graph.
         entropy = (True if algo.entropy_coef > 0 else "metric") if need_entropy else False
         kw = dict(temperature=gen_temperature(self.ctx), return_entropy=entropy)
-        logp, ent = forward(*args, **kw, host=host) if forward else sequence_logprobs(
-            *args, **kw, chunk_size=self.chunk, share_prompts=self.ctx.cfg.actor.share_prompts and self.chunk is not None)
+        if forward:
+            kw["host"] = host
+        else:
+            chunk = self.ctx.cfg.actor.logprob_chunk
+            kw.update(chunk_size=chunk, share_prompts=self.ctx.cfg.actor.share_prompts and chunk is not None)
+        # Sharded (FSDP2): the root's hooks gather the embedding and LM head, which these forwards read directly.
+        logp, ent = gathered_call(self.model, forward or sequence_logprobs, *args, **kw)
         mask = mb[spec.loss_mask].float()
         agg = dict(agg=algo.loss_agg, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, norm_len=counts.norm_len)
         # On-policy (no recompute pass): old = this forward's own detached log-probs, so the ratio is exactly 1
@@ -242,6 +247,7 @@ class RefComponent:
         self.ctx = ctx
         self.adapters = actor.adapters if actor is not None else None
         self.precision = actor.precision if actor is not None else nullcontext
+        self.engine = actor.engine if actor is not None else None  # the actor's model is the reference here
         if actor is not None:
             assert actor.adapters is not None, "ref_from_actor needs a LoRA actor"
             self.model = actor.model
@@ -254,5 +260,5 @@ class RefComponent:
         with self.adapters.disable_adapter() if self.adapters is not None else nullcontext(), self.precision():
             logp, _ = batched_logprobs(self.model, batch, micro=self.ctx.plan.micro_batch_size,
                                        temperature=gen_temperature(self.ctx), chunk=self.ctx.cfg.actor.logprob_chunk,
-                                       entropy=False, packed=packed_forward(self.ctx))
+                                       entropy=False, packed=packed_forward(self.ctx), engine=self.engine)
         return Batch({"ref_logprobs": logp})

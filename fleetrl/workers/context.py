@@ -26,6 +26,10 @@ class WorkerContext:
     def pool_plan(self):
         return self.plan.pools[self.pool]
 
+    def sharded(self, role: str) -> bool:
+        """Whether `role` (actor or critic) is FSDP2-sharded here: configured so and hosted by this worker."""
+        return role in self.roles and getattr(self.cfg, role).sharding == "fsdp2"
+
     def device(self) -> torch.device:
         # Ray sets CUDA_VISIBLE_DEVICES per actor, so the worker's GPU is always index 0 of what it sees.
         if self.pool_plan.uses_gpu and torch.cuda.is_available():

@@ -29,7 +29,7 @@ class CriticComponent:
         self.model = build_critic(load_policy_model(ctx)).to(ctx.device())
         self.engine = TrainingEngine(self.model, ctx.cfg.critic.optim, dist_info=dist_info,
                                      total_optimizer_steps=ctx.plan.critic_optimizer_steps, device=ctx.device(),
-                                     sharded=ctx.cfg.critic.sharding == "fsdp2")
+                                     sharded=ctx.sharded("critic"))
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:

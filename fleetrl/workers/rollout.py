@@ -54,7 +54,8 @@ class RolloutComponent:
         m = ctx.cfg.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
         self.model = model
-        self.engine = make_engine(ctx, model, self.tokenizer)
+        with unsharded(model):  # FSDP2: the engine reads (and checks) the whole weights, not the shards
+            self.engine = make_engine(ctx, model, self.tokenizer)
         self.episodes = None
         if ctx.cfg.rollout.env is not None:  # multi-turn: the environment plays against the engine
             from fleetrl.workers.episodes import EpisodeRunner

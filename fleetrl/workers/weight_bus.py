@@ -82,12 +82,12 @@ def receive(bus: WeightBus, named: list[tuple[str, torch.Tensor]], bucket_bytes:
 
 def full_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Named full tensors in state_dict order; sharded (DTensor) parameters are gathered on every rank."""
-    items = []
-    for name, t in model.state_dict().items():
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
-        items.append((name, t))
-    return items
+    return [(name, whole(t)) for name, t in model.state_dict().items()]
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a sharded (DTensor) one, gathered from every rank (a collective), or `t` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def sync_state(model: torch.nn.Module, lora: LoraConfig | None) -> list[tuple[str, torch.Tensor]]:
@@ -95,7 +95,8 @@ def sync_state(model: torch.nn.Module, lora: LoraConfig | None) -> list[tuple[st
     rest — embeddings, norms, unadapted layers — never changes, and the receiver already holds it)."""
     if lora is None:
         return full_state(model)
-    return merged_targets(model)
+    # Sharded (FSDP2): W and the adapters are DTensor shards, so the merge is too; gathered here like full_state.
+    return [(name, whole(t)) for name, t in merged_targets(model)]
 
 
 def receive_layout(model: torch.nn.Module, lora: LoraConfig | None) -> tuple[list[tuple[str, torch.Tensor]], bool]:

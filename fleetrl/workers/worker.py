@@ -30,6 +30,7 @@ class Worker:
         self.ctx = ctx
         self.actor = self.critic = self.ref = self.rollout = self.reward_model = None
         self.bus = None  # weight bus to a separate rollout pool (only actor rank 0 and rollout workers join)
+        self.owns_group = False  # this worker made the process's default group (init_dist), so it destroys it
 
     def timed(self, method: str, *args):
         """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
@@ -59,7 +60,14 @@ class Worker:
 
     def init_dist(self, addr: str, port: int, timeout_s: float) -> None:
         w = self.ctx.world_size
-        if w > 1:
+        # A sharded role gets a group even at one rank: sharding=fsdp2 then runs FSDP2's own code path (one shard),
+        # the same as at N ranks, instead of silently none.
+        sharded = self.ctx.sharded("actor") or self.ctx.sharded("critic")
+        if w == 1 and sharded and dist.is_initialized():
+            # cluster.backend=local: another pool's worker in this process made the one-rank group already.
+            return
+        if w > 1 or sharded:
+            self.owns_group = True
             _pin_socket_ifname()
             backend = "nccl" if self.ctx.device().type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.ctx.rank,
@@ -203,13 +211,23 @@ class Worker:
     def model_state(self, role: str) -> dict[str, torch.Tensor]:
         """The role's weights under plain HF names (a LoRA actor's adapters merged in)."""
         from fleetrl.models.lora import merged_state_dict
+        from fleetrl.workers.weight_bus import whole
 
         comp = self._need(role)
-        return {k: v.detach().cpu().clone() for k, v in merged_state_dict(comp.model).items()}
+        # Sharded (FSDP2) weights are gathered whole; every rank must call this (call_all), as for weight sync.
+        return {k: whole(v).detach().cpu().clone() for k, v in merged_state_dict(comp.model).items()}
+
+    def local_shapes(self, role: str) -> dict[str, tuple[int, ...]]:
+        """The shape of what this rank holds of each of the role's parameters: its shard under FSDP2 (dim 0
+        split across the ranks), else the whole tensor. Shows that a sharded role really is sharded."""
+        comp = self._need(role)
+        return {name: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape)
+                for name, p in comp.model.named_parameters()}
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+            self.owns_group = False
 
     def _need(self, role: str):
         comp = getattr(self, role)

@@ -1,5 +1,6 @@
 """Resume is exact: 6 steps straight == 3 + resume + 3 (bitwise weights, identical metrics for steps 4-6);
-a DP=2 checkpoint resumes at DP=1; a truncated checkpoint is skipped with a warning."""
+a DP=2 checkpoint resumes at DP=1; an FSDP2 one loads bitwise sharded and unsharded; a truncated checkpoint is
+skipped with a warning."""
 import logging
 import shutil
 
@@ -78,24 +79,46 @@ def test_dp2_checkpoint_resumes_at_dp1(tmp_path, ray_local, dp2_3):
     assert any(not torch.equal(saved[k], after[k]) for k in saved), "training must continue after resume"
 
 
-def test_loaded_weights_equal_saved(tmp_path, ray_local, dp2_3):
+def _loaded(run, *overrides):
+    """Every actor rank's weights after a trainer with `overrides` resumes `run`."""
     from fleetrl.config import derive_plan, load_config
     from fleetrl.tracking.tracker import Tracker
     from fleetrl.trainer.trainer import Trainer
     from fleetrl.workers.worker import Worker
 
-    shutil.copytree(dp2_3, tmp_path / "s")
-    saved = _weights(tmp_path / "s" / "checkpoints" / "step_3", "actor")
-    cfg = load_config("examples/ppo_tiny.yaml", [*BASE, "trainer.resume=auto", "tracking.console=false"])
-    trainer = Trainer(derive_plan(cfg), Tracker(tmp_path / "s", cfg.tracking, {}, "x"), tmp_path / "s")
+    cfg = load_config("examples/ppo_tiny.yaml", [*BASE, *overrides, "trainer.resume=auto", "tracking.console=false"])
+    trainer = Trainer(derive_plan(cfg), Tracker(run, cfg.tracking, {}, "x"), run)
     try:
         trainer.build_groups()
         trainer.maybe_resume()
-        live = trainer.group("actor").call_all(Worker.model_state, "actor")[0]
+        return trainer.group("actor").call_all(Worker.model_state, "actor")
     finally:
         trainer.shutdown()
+
+
+def test_loaded_weights_equal_saved(tmp_path, ray_local, dp2_3):
+    shutil.copytree(dp2_3, tmp_path / "s")
+    saved = _weights(tmp_path / "s" / "checkpoints" / "step_3", "actor")
+    live = _loaded(tmp_path / "s")[0]
     for k, v in saved.items():
         assert torch.equal(live[k.removeprefix("model.")], v)
+
+
+def test_fsdp2_checkpoint_loads_sharded_and_unsharded(tmp_path, ray_local):
+    # Each FSDP2 rank writes its own shards (collectively); loading re-shards them by name, at any world size.
+    # Weight decay moves every weight each step (a random init rarely earns a reward in 3 steps, so the policy
+    # gradient is often 0): the checkpoint must hold the updated shards, not the initial model.
+    sharded = ("actor.sharding=fsdp2", "critic.sharding=fsdp2", "actor.optim.weight_decay=0.1")
+    train_run("examples/ppo_tiny.yaml", tmp_path / "f", *BASE, *DP2, *sharded, "trainer.total_steps=3")
+    saved = _weights(tmp_path / "f" / "checkpoints" / "step_3", "actor")
+    from fleetrl.models.hf import load_causal_lm
+
+    initial = load_causal_lm("tiny:").state_dict()
+    assert all(not torch.equal(saved[k], initial[k.removeprefix("model.")]) for k in saved)
+    for overrides in ((*DP2, *sharded), ()):
+        for live in _loaded(tmp_path / "f", *overrides):
+            for k, v in saved.items():
+                assert torch.equal(live[k.removeprefix("model.")], v), f"{overrides}: {k}"
 
 
 def test_truncated_checkpoint_is_skipped(tmp_path, straight_6, caplog):

@@ -22,10 +22,11 @@ def test_an_unknown_forward_is_refused():
         _plan("actor.forward=fast")
 
 
-def test_native_forward_limits_are_refused_with_the_fix():
-    with pytest.raises(ConfigError, match="actor.forward=native does not support actor.sharding=fsdp2. Set "
-                                          "sharding=none, or forward=hf"):
-        _plan("actor.forward=native", "actor.sharding=fsdp2")
+def test_native_forward_takes_an_fsdp2_actor_packed_or_padded():
+    # Sharded runs go through the FSDP2 hooks (engines/sharding.py); tests/integration/test_dp.py checks the numbers.
+    for extra in ([], ["algorithm.micro_batch_tokens=4096", "actor.share_prompts=true"]):
+        plan = _plan("actor.forward=native", "actor.sharding=fsdp2", *extra)
+        assert plan.config.actor.sharding == "fsdp2" and plan.config.actor.forward == "native"
 
 
 def test_native_shared_prompts_need_packed_micro_batches():

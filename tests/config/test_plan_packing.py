@@ -27,6 +27,5 @@ def test_bad_packing_keys_name_the_key(override, match):
         _plan(override)
 
 
-def test_packing_with_fsdp2_is_refused_with_the_fix():
-    with pytest.raises(ConfigError, match="does not support actor.sharding=fsdp2"):
-        _plan("algorithm.micro_batch_tokens=4096", "actor.sharding=fsdp2")
+def test_packing_takes_an_fsdp2_actor():
+    assert _plan("algorithm.micro_batch_tokens=4096", "actor.sharding=fsdp2").micro_batch_tokens == 4096

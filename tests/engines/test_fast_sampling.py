@@ -78,7 +78,7 @@ def test_a_draw_depends_on_the_request_not_the_row() -> None:
 SCRIPT = Path(__file__).with_name("triton_sampling_check.py")
 
 
-@pytest.mark.slow  # ~90 s alone on 2 cores: the interpreter runs each Triton program in numpy
+@pytest.mark.slow  # ~45 s alone on 2 cores: the interpreter runs each Triton program in numpy
 def test_triton_sampler_in_the_interpreter() -> None:
     """The Triton sampler on CPU via TRITON_INTERPRET=1 (only where triton is installed; CUDA CI runs the
     kernels for real in bench/decode.py --check)."""

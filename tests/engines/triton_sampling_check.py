@@ -5,6 +5,8 @@ blocks, so both stages of the sampler (block by inverse CDF, token by the race w
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 import fleetrl.engines.fast.triton_kernels as tk
@@ -13,6 +15,43 @@ from fleetrl.engines.protocol import SamplingParams
 from tests.engines.test_fast import CharTokenizer, left_padded, tiny_model
 
 CHI2_001_DF4 = 18.47  # p = 0.001 critical value, 5 categories
+
+
+def patch_language_once_per_launch() -> None:
+    """Triton's interpreter (3.x, runtime/interpreter.py) patches triton.language for a kernel launch (restored
+    after the grid) and again at every call of a @triton.jit function inside the kernel (tl.max, tl.sum, ...),
+    for every program: an inspect.getmembers of each language module each time, ~40% of this script's time. A
+    call's patch of a module the launch has already patched changes nothing (replaced members are skipped, the
+    rest are set again to fresh copies of the same functions), so it is skipped; a module first reached inside
+    the launch (tl.core, from triton.language.standard) is still patched, as before. The interpreted code is the
+    same. Left as it is when the interpreter's layout differs."""
+    from triton.runtime import interpreter as ti
+
+    real = getattr(ti, "_patch_lang", None)
+    if real is None or not hasattr(ti, "_LangPatchScope") or not hasattr(ti.tl, "core"):
+        return
+    patched: set[int] = set()  # the language modules patched during the running launch; empty between launches
+
+    def langs(fn) -> set[int]:  # noqa: ANN001
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (ti.tl, ti.tl.core)}
+
+    def patch_lang(fn):  # noqa: ANN001, ANN202
+        if patched and langs(fn) <= patched:
+            return ti._LangPatchScope()  # a call inside the launch: nothing left to patch
+        launch = not patched
+        scope = real(fn)
+        patched.update(langs(fn))
+        if launch:  # GridExecutor restores the launch's scope after the grid
+            restore = scope.restore
+
+            def restore_and_end() -> None:
+                restore()
+                patched.clear()
+
+            scope.restore = restore_and_end
+        return scope
+
+    ti._patch_lang = patch_lang
 
 
 def check_sampler(rows: int = 2000, temperature: float = 0.8) -> None:
@@ -79,6 +118,7 @@ def check_shared_prefix_reads() -> None:
 
 
 if __name__ == "__main__":
+    patch_language_once_per_launch()
     check_sampler()
     check_fused_decode()
     print("ok")

@@ -1,0 +1,66 @@
+"""FSDP2 sharding of a training model, and running code other than `forward` with a module's parameters gathered.
+
+FSDP2 (`fully_shard`) gathers a module's parameters in hooks around its `forward` and registers the backward's
+reduce-scatter there. Our fast forwards do not go through `forward`: the native decoder calls a compiled layer
+function with the layer as an argument (models/decoder.py), and the packed, chunked and native log-prob paths
+call the backbone and read the LM head's weight directly. `gathered_call(module, fn, ...)` runs `fn` inside
+`module`'s own pre/post-forward hooks (torch's `register_fsdp_forward_method`), so every one of those forwards
+works on a sharded model unchanged, and on an unsharded one it is a plain call.
+
+The root (embedding, final norm, LM head) must be entered first each forward: its pre-forward hook is where
+FSDP2 sets up its root state and streams, so the actor wraps its whole log-prob call (workers/actor.py) and the
+decoder wraps each layer call inside it.
+"""
+from __future__ import annotations
+
+from types import MethodType
+from typing import Callable, Iterable, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+T = TypeVar("T")
+
+_METHOD = "_fleetrl_gathered_call"
+
+
+def _call(_module: nn.Module, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    return fn(*args, **kwargs)
+
+
+def shard(model: nn.Module, layers: list[nn.Module]) -> None:
+    """fully_shard each decoder layer (one all-gather per layer, overlapped with the previous one's compute), then
+    the root (everything else), each with a hooked `gathered_call` entry. Uses the default process group, on
+    GPU (NCCL) or CPU (gloo) alike."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for module in (*layers, model):
+        fully_shard(module)
+        setattr(module, _METHOD, MethodType(_call, module))
+        register_fsdp_forward_method(module, _METHOD)
+
+
+def gathered_call(module: nn.Module, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """fn(*args, **kwargs) with `module`'s FSDP2 parameters gathered for it (and their gradients reduce-scattered
+    in backward), as in `module(...)`; a plain call when `module` was not sharded by `shard`."""
+    method = getattr(module, _METHOD, None)
+    return fn(*args, **kwargs) if method is None else method(fn, *args, **kwargs)
+
+
+def same_count_on_every_rank(items: Iterable[T], device: torch.device, group: object | None = None, *,
+                             sharded: bool = True) -> list[tuple[T, bool]]:
+    """(item, real) pairs: `items`, then repeats of its last item flagged not real, up to the largest count on any
+    rank of `group` (one all-reduce); every item once, real, when not `sharded`. Why: under FSDP2 every
+    micro-batch's forward and backward gather and reduce-scatter each layer, so all ranks must run as many; a
+    token budget cuts each rank's rows into its own number of micro-batches (workers/layout.py). The caller runs
+    a repeat and discards it (a zero loss)."""
+    items = list(items)
+    if not sharded:
+        return [(x, True) for x in items]
+    count = torch.tensor([len(items)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    most = int(count)
+    if not items and most:
+        raise RuntimeError("this rank has no micro-batch while another has some: FSDP2 needs one to repeat")
+    return [(x, True) for x in items] + [(items[-1], False)] * (most - len(items))
