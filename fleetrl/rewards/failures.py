@@ -65,9 +65,14 @@ def check_failure_rate(result: RewardResult, max_rate: float, limit_note: str) -
              f"on {result.failed_by_scorer[s]} of {result.samples_by_scorer[s]} samples" for s in bad]
     first = next((e for e in result.errors if any(repr(s) in e for s in bad)),
                  result.errors[0] if result.errors else "none recorded")
+    # num_skipped holds both a hung scorer's calls (failures) and other scorers' calls dropped once the batch was
+    # bound to fail (not failures); the message tells them apart.
+    hung = sum(result.failed_by_scorer.values()) - result.num_errors - result.num_timeouts
+    dropped = result.num_skipped - hung
     raise ScorerFailureError(
         "; ".join(lines) + f" in this batch ({result.num_errors} errors, {result.num_timeouts} timeouts, "
-        f"{result.num_skipped} not run after repeated timeouts, {limit_note}), above rewards.max_failure_rate="
+        f"{hung} not run after repeated timeouts" + (f", {dropped} of other scorers not run" if dropped else "")
+        + f", {limit_note}), above rewards.max_failure_rate="
         f"{max_rate:g}. First failure: {first}. Fix the scorer (run it by hand on a few responses), raise "
         f"rewards.timeout_s if it is only slow, or set rewards.max_failure_rate=1.0 to keep training on "
         f"default scores")

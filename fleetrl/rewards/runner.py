@@ -305,20 +305,28 @@ class RewardRunner:
                 self._take_back(st, conn, job)
 
     def _skip(self, st: _Pass, i: int) -> None:
-        st.outcomes[i] = ("skipped", f"not run: the scorer timed out on {HUNG_AFTER} calls in a row in this batch")
+        st.outcomes[i] = ("skipped", f"not run or stopped: the scorer timed out on {HUNG_AFTER} calls in a row in this batch")
         st.tally.skipped(st.spec(i))
 
     def _abandon(self, st: _Pass) -> None:
         # "abandoned", not "skipped": these samples' scorers did nothing wrong and are not counted as failing.
+        # A hung scorer's own calls still count as its failures, whether they were running or queued: so the
+        # count does not depend on which of its calls a worker happened to have started when the batch stopped.
         why = f"not run: the batch already failed rewards.max_failure_rate={self.max_failure_rate:g}"
         for job in st.busy.values():
             job.worker.kill()
             self.num_abandoned_threads += job.worker.is_thread
             for i in job.unanswered:
-                st.outcomes[i] = ("abandoned", why)
+                self._stop(st, i, why)
         st.busy.clear()
         while st.todo:
-            st.outcomes[st.todo.popleft()] = ("abandoned", why)
+            self._stop(st, st.todo.popleft(), why)
+
+    def _stop(self, st: _Pass, i: int, why: str) -> None:
+        if st.spec(i) in st.hung:
+            self._skip(st, i)
+        else:
+            st.outcomes[i] = ("abandoned", why)
 
     # ---------------------------------------------------------------------------------------- results
     def _collect(self, outcomes: list[tuple[str, Any]], specs: list[str], sources: list[str]) -> RewardResult:
