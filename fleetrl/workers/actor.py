@@ -252,9 +252,12 @@ class RefComponent:
             assert actor.adapters is not None, "ref_from_actor needs a LoRA actor"
             self.model = actor.model
             return
+        # Its weights keep requires_grad as loaded, like the actor's, though nothing ever trains them: every
+        # pass here runs under no_grad, so no graph or gradient is made. On CPU torch picks a different linear
+        # kernel for a strided input (HF's LM head on the kept positions) when the weight is frozen, and on
+        # AVX-512/AMX hosts the two round differently (~5e-7 in the log-probs): a frozen copy then disagreed with
+        # the actor it equals, and the step-1 KL was that noise instead of exactly 0.
         self.model = load_policy_model(ctx).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
         with self.adapters.disable_adapter() if self.adapters is not None else nullcontext(), self.precision():

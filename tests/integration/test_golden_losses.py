@@ -47,6 +47,8 @@ def test_golden_losses(name: str, tmp_path: Path) -> None:
         path.write_text(json.dumps(got, indent=1) + "\n")
     want = json.loads(path.read_text())
     assert len(got) == len(want) == 4
+    if "train/kl" in want[0]:  # before any update the reference equals the actor: the same numbers, to the bit
+        assert got[0]["train/kl"] == 0.0, f"{name}: the step-1 KL is {got[0]['train/kl']!r}, not 0"
     for step, (g, w) in enumerate(zip(got, want), start=1):
         assert set(CHECKED[:3]) <= set(w), f"{name}: golden file lacks the core numbers"
         assert set(g) == set(w), f"{name} step {step}: metrics {sorted(set(g) ^ set(w))} appeared or vanished"
