@@ -30,9 +30,14 @@ def _logits(rm: torch.nn.Module, tok, texts: list[str]) -> torch.Tensor:  # noqa
     return rm(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 0]
 
 
-def train_copy_rm(out: Path, *, steps: int = 700, seed: int = 0) -> tuple[Path, float]:
-    """Trains with BCE on balanced good/bad pairs; returns the saved folder and the accuracy on held-out prompts
-    against wrong-digit answers (the hard case)."""
+def train_copy_rm(out: Path, *, steps: int = 1400, seed: int = 0) -> tuple[Path, float, float]:
+    """Trains with BCE on balanced good/bad pairs; returns the saved folder, the accuracy on held-out prompts
+    against wrong-digit answers (the hard case), and the held-out top-1: how often the RM's best-scored answer
+    among every one-word answer is the right one, which bounds what a policy trained on it reaches.
+
+    1400 steps: after 700 the top-1 was 0.95 on one CPU host and 0.915 on another (float rounding differs with
+    the host's vector units), and a policy trained on the second plateaued at 75% held-out success; after 1400
+    both are ~1.0."""
     tok = build_tiny_tokenizer()
     rm = build_tiny_rm(hidden_size=64, seed=seed).train()
     rng = random.Random(seed)
@@ -52,4 +57,13 @@ def train_copy_rm(out: Path, *, steps: int = 700, seed: int = 0) -> tuple[Path, 
     accuracy = float((pred == torch.tensor([y > 0 for _, y in held_out])).float().mean())
     rm.save_pretrained(out)
     tok.save_pretrained(out)
-    return out, accuracy
+    return out, accuracy, _top1(rm, tok, copy_task(n=200, split="val"))
+
+
+@torch.no_grad()
+def _top1(rm: torch.nn.Module, tok, rows: list[dict]) -> float:  # noqa: ANN001
+    right = 0
+    for row in rows:
+        scores = _logits(rm, tok, [render_pair(tok, row["prompt"], w) for w in _WORDS])
+        right += _WORDS[int(scores.argmax())] == row["reward_model"]["ground_truth"]
+    return right / len(rows)

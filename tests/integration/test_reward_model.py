@@ -48,8 +48,9 @@ def three_nodes():
 
 @pytest.fixture(scope="module")
 def copy_rm(tmp_path_factory):
-    path, accuracy = train_copy_rm(tmp_path_factory.mktemp("rm"))
+    path, accuracy, top1 = train_copy_rm(tmp_path_factory.mktemp("rm"))
     assert accuracy > 0.95, f"the test's reward model reached only {accuracy:.2f} held-out accuracy"
+    assert top1 > 0.95, f"the test's reward model ranks the right answer first on only {top1:.2f} of held-out prompts"
     return str(path)
 
 
