@@ -71,8 +71,9 @@ class _Job:
 
     worker: RewardWorker
     batch: list[int]
-    # When the first unanswered call started as far as the runner can tell: the batch was sent, or the call
-    # before it answered. Never earlier than the real start, so a call gets at least timeout_s.
+    # When the first unanswered call started as far as the runner can tell: the end of the dispatch pass that
+    # sent the batch, or the call before it answered. Never earlier than the real start, so a call gets at least
+    # timeout_s.
     since: float
     answered: int = 0
 
@@ -180,10 +181,20 @@ class RewardRunner:
                     self._take_back(st, conn, job)
         # Shrinks towards the end of the queue so that each idle worker gets a share.
         size = min(st.batch_size, math.ceil(len(st.todo) / self.num_workers))
+        sent = []
         while st.todo and self._idle:
-            self._send(st, self._idle.pop(), [st.todo.popleft() for _ in range(min(size, len(st.todo)))])
+            sent.append(self._send(st, self._idle.pop(), [st.todo.popleft() for _ in range(min(size, len(st.todo)))]))
+        # One clock for the pass: its calls started no later than now (so each still gets at least timeout_s), and
+        # calls sent together time out together. With a clock per send, a runner preempted between two sends saw
+        # the first call time out alone, a few ms before the others; the next pass then started another call of a
+        # scorer that hangs on all of them before their timeouts marked it hung (HUNG_AFTER): one timeout more,
+        # and without a rate limit a round of timeout_s more, decided by sub-millisecond timing.
+        now = time.monotonic()
+        for job in sent:
+            if job is not None:
+                job.since = now
 
-    def _send(self, st: _Pass, worker: RewardWorker, batch: list[int]) -> None:
+    def _send(self, st: _Pass, worker: RewardWorker, batch: list[int]) -> _Job | None:
         try:
             message = (worker.claims.begin(len(batch)), [st.tasks[i] for i in batch])
             worker.conn.send(message)
@@ -194,7 +205,9 @@ class RewardRunner:
             self._idle.append(worker)
             self._requeue(st, _drop_unsendable(st, batch, exc))
         else:
-            st.busy[worker.conn] = _Job(worker, batch, time.monotonic())
+            job = st.busy[worker.conn] = _Job(worker, batch, time.monotonic())
+            return job
+        return None
 
     def _receive(self, st: _Pass, conn: Connection) -> None:
         """Reads every reply waiting on `conn`: the worker may have finished several calls since the last look."""

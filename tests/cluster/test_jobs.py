@@ -2,6 +2,7 @@
 stopped by PID with `fleetrl cluster down`); one head for the module."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -30,10 +31,14 @@ SLOW = pytest.mark.slow
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports: all n sockets are held until each has one, so the kernel cannot hand the same
+    port out twice (closed one at a time, it may)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +46,7 @@ def head():
     root = Path(tempfile.mkdtemp(prefix="frlj", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(HOME=str(root / "home"), PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
-    port, dash = _free_port(), _free_port()
+    port, dash, agent, client = _free_ports(4)
     state = root / "head.json"
     up = subprocess.run(CLI + ["cluster", "up", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                                "--dashboard-port", str(dash), "--token-file", str(root / "token"),
@@ -49,8 +54,8 @@ def head():
                                "--object-store-memory", str(80 * 2**20), "--wait-timeout", "60",
                                "--env", "FLEETRL_TEST_API_KEY=hidden-value",
                                # Other Ray clusters on this machine (other tests) may hold the default ports.
-                               f"--ray-arg=--dashboard-agent-listen-port={_free_port()}",
-                               f"--ray-arg=--ray-client-server-port={_free_port()}"],
+                               f"--ray-arg=--dashboard-agent-listen-port={agent}",
+                               f"--ray-arg=--ray-client-server-port={client}"],
                         env=env, capture_output=True, text=True, timeout=180)
     try:
         assert up.returncode == 0, up.stdout + up.stderr

@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from fleetrl.envs import base
 from fleetrl.envs.base import (
     EnvCaller,
     EnvError,
@@ -71,7 +72,12 @@ def test_caller_turns_exceptions_and_timeouts_into_outcomes():
 def test_caller_reuses_threads_and_a_hung_call_never_delays_later_ones():
     caller = EnvCaller(timeout_s=0.3)
     caller.call_all([lambda: 0] * 8)  # the pool now holds >= 8 idle workers (other tests' workers too)
-    time.sleep(0.1)  # a worker counts itself idle just after its result is handed back
+    # A worker counts itself idle just after its result is handed back: wait for that rather than sleep a fixed
+    # time (a worker not yet counted idle gets a new thread started beside it).
+    deadline = time.monotonic() + 10
+    while base._POOL._idle < 8:
+        assert time.monotonic() < deadline, f"only {base._POOL._idle} pool workers idle after their calls returned"
+        time.sleep(0.01)
     before = threading.active_count()
     assert [o.value for o in caller.call_all([lambda i=i: i for i in range(8)])] == list(range(8))
     assert threading.active_count() == before  # 8 calls on 8 idle workers: no new thread

@@ -1,12 +1,10 @@
 """Training against a remote reward server (`fleetrl serve-reward`): scores come over HTTP; a server that is
 down at start makes training refuse to start, with a message that says how to start one."""
-import socket
-
 import pytest
 
 from fleetrl.rewards.remote import RemoteRewardError
 from tests.integration.helpers import train_run
-from tests.rewards.serving import serving
+from tests.rewards.serving import refusing_url, serving
 
 FAST = ("cluster.backend=local", "trainer.total_steps=2", "data.prompts_per_step=8", "data.val=null",
         "trainer.val_every=0", "model.path=tiny:")
@@ -21,9 +19,6 @@ def test_training_scores_through_a_reward_server(tmp_path):
 
 
 def test_training_refuses_to_start_when_the_server_is_down(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here once the socket closes
-    with pytest.raises(RemoteRewardError, match=rf"127.0.0.1:{port}.*not reachable.*serve-reward"):
-        train_run("examples/quickstart.yaml", tmp_path / "run", *FAST, f"rewards.remote_urls=['http://127.0.0.1:{port}']",
+    with refusing_url() as dead, pytest.raises(RemoteRewardError, match=rf"{dead}.*not reachable.*serve-reward"):
+        train_run("examples/quickstart.yaml", tmp_path / "run", *FAST, f"rewards.remote_urls=['{dead}']",
                   "rewards.remote_timeout_s=2")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import queue
+import re
 import socket
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import requests
 from fleetrl.rewards.errors import ScorerFailureError
 from fleetrl.rewards.remote import RemoteRewardClient, RemoteRewardError, RewardServerLostError
 from fleetrl.rewards.server import RewardServer, ServeOptions
-from tests.rewards.serving import serving
+from tests.rewards.serving import refusing_url, serving
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-token"
@@ -76,12 +78,6 @@ def black_hole():
             conn.close()
 
 
-def _closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket is closed
-
-
 BATCH = dict(responses=["4", " 5 ", "x", "7"], ground_truths=["4", "5", "y", 7],
              data_sources=["gsm8k", "math", "other", "other"], extra_infos=[{}, {}, {}, None])
 
@@ -116,8 +112,10 @@ def test_wrong_or_missing_token_is_rejected(scorers):
             RemoteRewardClient([server.url], token="wrong").check_health()
         start = time.monotonic()
         with pytest.raises(RemoteRewardError, match="HTTP 401 .*rewards.remote_token"):
-            RemoteRewardClient([server.url], retries=3, backoff_s=1.0).score(**BATCH)
-        assert time.monotonic() - start < 1.0  # a 4xx is not retried
+            RemoteRewardClient([server.url], retries=3, backoff_s=5.0).score(**BATCH)
+        # A 4xx is not retried: a retry would first sleep backoff_s, so anything under it means one attempt. (5 s,
+        # not 1: room for one slow request to the in-process server on a loaded machine.)
+        assert time.monotonic() - start < 5.0
 
 
 def test_non_loopback_bind_needs_a_token(scorers):
@@ -153,15 +151,14 @@ def test_slow_server_times_out_retries_then_fails_clearly(scorers):
 
 
 def test_server_down_at_start_names_the_url_and_how_to_start_one(scorers):
-    dead = _closed_port_url()
-    with pytest.raises(RemoteRewardError) as err:
+    with refusing_url() as dead, pytest.raises(RemoteRewardError) as err:
         RemoteRewardClient([dead], timeout_s=1).check_health()
     assert f"{dead}: not reachable" in str(err.value) and "fleetrl serve-reward --fn" in str(err.value)
 
 
 def test_failover_to_a_live_server(scorers):
-    with serving(fn=f"{scorers}:match") as server:
-        client = RemoteRewardClient([_closed_port_url(), server.url], timeout_s=2, retries=1, backoff_s=0.01)
+    with serving(fn=f"{scorers}:match") as server, refusing_url() as dead:
+        client = RemoteRewardClient([dead, server.url], timeout_s=2, retries=1, backoff_s=0.01)
         for _ in range(2):  # whichever server a sub-batch starts on, it ends on the live one, in order
             assert client.score(**BATCH) == [1.0, 1.0, 0.0, 1.0]
         with pytest.raises(RemoteRewardError, match="not reachable"):
@@ -184,18 +181,34 @@ def test_client_rejects_uneven_batches():
 
 
 def test_serve_reward_command(scorers):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cli = [sys.executable, "-m", "fleetrl.cli.main", "serve-reward", "--fn", f"{scorers}:match"]
     refused = subprocess.run(cli + ["--host", "0.0.0.0"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert refused.returncode == 2 and "set a token (--token-file FILE or FLEETRL_REWARD_TOKEN" in refused.stderr
     env = {**os.environ, "FLEETRL_REWARD_TOKEN": TOKEN}  # the token never appears on the command line
-    proc = subprocess.Popen(cli + ["--port", str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    # --port 0: the server binds a free port itself and names it in its start-up line. (A port found free here and
+    # passed on could be taken, e.g. by a Ray starting in another pytest worker, in the seconds before the CLI,
+    # importing, got to bind it.)
+    proc = subprocess.Popen(cli + ["--port", "0"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+
+    def read_stderr() -> None:  # drained to the end, so the server never blocks on a full pipe
+        for line in proc.stderr:
+            lines.put(line)
+        lines.put("")  # end of output: the process exited
+
+    threading.Thread(target=read_stderr, daemon=True).start()
     try:
-        client = RemoteRewardClient([f"127.0.0.1:{port}"], token=TOKEN, timeout_s=2)
-        deadline = time.monotonic() + 30
+        deadline, url, seen = time.monotonic() + 30, None, []
+        while url is None:
+            try:
+                seen.append(lines.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                pytest.fail("serve-reward did not say where it listens within 30 s: " + "".join(seen))
+            assert seen[-1], "serve-reward exited: " + "".join(seen)
+            found = re.search(r"serving .* at (http://127\.0\.0\.1:\d+) \(token required\)", seen[-1])
+            url = found and found.group(1)
+        client = RemoteRewardClient([url], token=TOKEN, timeout_s=2)
         while True:
             try:
                 client.check_health()
@@ -203,8 +216,7 @@ def test_serve_reward_command(scorers):
             except RemoteRewardError:
                 assert time.monotonic() < deadline and proc.poll() is None, "serve-reward did not come up"
                 time.sleep(0.2)
-        health = requests.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": f"Bearer {TOKEN}"},
-                              timeout=5).json()
+        health = requests.get(f"{url}/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).json()
         assert health == {"status": "ok", "scorer": f"{scorers}:match"}
         assert client.score(**BATCH) == [1.0, 1.0, 0.0, 1.0]
     finally:

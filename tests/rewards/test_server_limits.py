@@ -58,12 +58,27 @@ def test_full_handler_slots_answer_503_at_once_and_free_after_the_read_timeout()
     with serving_auth(max_connections=4, read_timeout_s=1.0) as server, ExitStack() as stack:
         for _ in range(4):
             _connect(server.url, stalled_body, stack)
-        time.sleep(0.3)
+        # Wait until the server has read the 4 heads and given each a slot (a fixed sleep raced with its accept
+        # loop on a loaded machine: a /health whose head was read first took a free slot and answered 200).
+        _wait_for(lambda: server._slots._value == 0, "the 4 stalled requests never held all 4 handler slots")
         start = time.monotonic()
         busy = requests.get(f"{server.url}/health", headers=AUTH, timeout=5)
         assert busy.status_code == 503 and time.monotonic() - start < 1.0
-        time.sleep(1.5)
-        assert requests.get(f"{server.url}/health", headers=AUTH, timeout=5).status_code == 200
+        # The stalled body reads give up after read_timeout_s and free their slots; without that they would hold
+        # them for good (the bodies never come and the connections stay open), and 1 + 4 s is still well short of
+        # the default read_timeout_s (10 s), so answering 200 again within the wait below is this 1 s limit at work.
+        # Polled, not one look after a fixed sleep: how late the handler threads started their reads is up to the
+        # scheduler.
+        time.sleep(1.0)
+        _wait_for(lambda: requests.get(f"{server.url}/health", headers=AUTH, timeout=5).status_code == 200,
+                  "the handler slots were not freed after the read timeout", timeout_s=4.0)
+
+
+def _wait_for(condition, message: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
 
 
 def test_connections_beyond_max_pending_are_closed_at_accept():
