@@ -9,9 +9,12 @@ from __future__ import annotations
 # Substrings of the names: train/time/* and val/time/* (worker_call_overhead among them), the throughput, and
 # the workers' memory peaks (workers/memory.py).
 MACHINE_MARKERS = ("time/", "tokens_per_s", "worker_call_overhead", "memory/")
+# Seconds elsewhere in the tree end in "_s": the environments' tool and wait times (train/env/tool_time_s,
+# env_wait_s) and the async pipeline's waits (async/actor_wait_s, rollout_busy_s, rollout_idle_s).
+SECONDS_SUFFIX = "_s"
 
 
 def is_machine_metric(name: str) -> bool:
     """True for a metric that differs between two runs of the same seed: e.g. "train/time/step",
-    "train/tokens_per_s", "train/memory/rss_peak_gib"; False for "train/actor/pg_loss"."""
-    return any(m in name for m in MACHINE_MARKERS)
+    "train/tokens_per_s", "train/memory/rss_peak_gib", "async/actor_wait_s"; False for "train/actor/pg_loss"."""
+    return name.endswith(SECONDS_SUFFIX) or any(m in name for m in MACHINE_MARKERS)

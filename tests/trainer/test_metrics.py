@@ -53,7 +53,10 @@ def test_with_extremes_keeps_the_message_frozen():
 @pytest.mark.parametrize("name, machine", [
     ("train/time/step", True), ("train/time/worker_call_overhead", True), ("val/time/generate", True),
     ("train/tokens_per_s", True), ("train/memory/rss_peak_gib", True), ("train/memory/gpu_peak_reserved_gib", True),
+    ("train/env/tool_time_s", True), ("train/env/env_wait_s", True), ("async/actor_wait_s", True),
+    ("async/rollout_idle_s", True),
     ("train/actor/pg_loss", False), ("train/reward_timeouts", False), ("train/actor/tokens_slots", False),
+    ("async/staleness_mean", False), ("train/env/tool_calls", False),
 ])
 def test_machine_metrics_are_timings_throughput_and_memory(name: str, machine: bool):
     assert is_machine_metric(name) is machine
