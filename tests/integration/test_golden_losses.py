@@ -53,5 +53,8 @@ def test_golden_losses(name: str, tmp_path: Path) -> None:
         assert set(CHECKED[:3]) <= set(w), f"{name}: golden file lacks the core numbers"
         assert set(g) == set(w), f"{name} step {step}: metrics {sorted(set(g) ^ set(w))} appeared or vanished"
         for key, value in w.items():
-            assert math.isclose(g[key], value, rel_tol=1e-6, abs_tol=1e-6), \
+            # 1e-5 relative: CPUs with other vector units (AVX2, AVX-512, AMX) round matmuls differently, and four
+            # steps of that moved a value by 1.2e-6 relative (ppo_critic_kl's step-4 critic grad-norm with AVX2
+            # kernels); a change to the algorithm moves these numbers by percents.
+            assert math.isclose(g[key], value, rel_tol=1e-5, abs_tol=1e-6), \
                 f"{name} step {step}: {key} = {g[key]!r}, golden {value!r}"
