@@ -181,20 +181,19 @@ class RewardRunner:
                     self._take_back(st, conn, job)
         # Shrinks towards the end of the queue so that each idle worker gets a share.
         size = min(st.batch_size, math.ceil(len(st.todo) / self.num_workers))
-        sent = []
+        already = set(st.busy)
         while st.todo and self._idle:
-            sent.append(self._send(st, self._idle.pop(), [st.todo.popleft() for _ in range(min(size, len(st.todo)))]))
+            self._send(st, self._idle.pop(), [st.todo.popleft() for _ in range(min(size, len(st.todo)))])
         # One clock for the pass: its calls started no later than now (so each still gets at least timeout_s), and
         # calls sent together time out together. With a clock per send, a runner preempted between two sends saw
         # the first call time out alone, a few ms before the others; the next pass then started another call of a
         # scorer that hangs on all of them before their timeouts marked it hung (HUNG_AFTER): one timeout more,
         # and without a rate limit a round of timeout_s more, decided by sub-millisecond timing.
         now = time.monotonic()
-        for job in sent:
-            if job is not None:
-                job.since = now
+        for conn in st.busy.keys() - already:
+            st.busy[conn].since = now
 
-    def _send(self, st: _Pass, worker: RewardWorker, batch: list[int]) -> _Job | None:
+    def _send(self, st: _Pass, worker: RewardWorker, batch: list[int]) -> None:
         try:
             message = (worker.claims.begin(len(batch)), [st.tasks[i] for i in batch])
             worker.conn.send(message)
@@ -205,9 +204,7 @@ class RewardRunner:
             self._idle.append(worker)
             self._requeue(st, _drop_unsendable(st, batch, exc))
         else:
-            job = st.busy[worker.conn] = _Job(worker, batch, time.monotonic())
-            return job
-        return None
+            st.busy[worker.conn] = _Job(worker, batch, since=0.0)  # set for the whole pass in _dispatch
 
     def _receive(self, st: _Pass, conn: Connection) -> None:
         """Reads every reply waiting on `conn`: the worker may have finished several calls since the last look."""

@@ -143,11 +143,10 @@ def test_calls_sent_together_time_out_together_however_the_runner_is_scheduled(r
     send, sends = RewardRunner._send, []
 
     def preempted_send(self, st, worker, batch):
-        job = send(self, st, worker, batch)
+        send(self, st, worker, batch)
         sends.append(batch)
         if len(sends) == 1:
             time.sleep(0.05)
-        return job
 
     monkeypatch.setattr(RewardRunner, "_send", preempted_send)
     with RewardRunner(router, isolation="thread", timeout_s=0.5, num_workers=4) as runner:
