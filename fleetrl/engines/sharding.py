@@ -48,16 +48,13 @@ def gathered_call(module: nn.Module, fn: Callable[..., T], *args: object, **kwar
     return fn(*args, **kwargs) if method is None else method(fn, *args, **kwargs)
 
 
-def same_count_on_every_rank(items: Iterable[T], device: torch.device, group: object | None = None, *,
-                             sharded: bool = True) -> list[tuple[T, bool]]:
+def same_count_on_every_rank(items: Iterable[T], device: torch.device,
+                             group: object | None = None) -> list[tuple[T, bool]]:
     """(item, real) pairs: `items`, then repeats of its last item flagged not real, up to the largest count on any
-    rank of `group` (one all-reduce); every item once, real, when not `sharded`. Why: under FSDP2 every
-    micro-batch's forward and backward gather and reduce-scatter each layer, so all ranks must run as many; a
-    token budget cuts each rank's rows into its own number of micro-batches (workers/layout.py). The caller runs
-    a repeat and discards it (a zero loss)."""
+    rank of `group` (one all-reduce). Why: under FSDP2 every micro-batch's forward and backward gather and
+    reduce-scatter each layer, so all ranks must run as many; a token budget cuts each rank's rows into its own
+    number of micro-batches (workers/layout.py). The caller runs a repeat and discards it (a zero loss)."""
     items = list(items)
-    if not sharded:
-        return [(x, True) for x in items]
     count = torch.tensor([len(items)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     most = int(count)

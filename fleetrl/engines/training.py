@@ -144,7 +144,9 @@ class TrainingEngine:
 
     def aligned(self, micro_batches: Iterable[T]) -> list[tuple[T, bool]]:
         """(micro-batch, real) pairs, padded with repeats to every FSDP2 rank's count (engines/sharding.py)."""
-        return same_count_on_every_rank(micro_batches, self.device, self.dist.group, sharded=self.sharded)
+        if not self.sharded:
+            return [(mb, True) for mb in micro_batches]
+        return same_count_on_every_rank(micro_batches, self.device, self.dist.group)
 
     def autocast(self) -> AbstractContextManager:
         """The forward's mixed-precision context (a no-op without autocast_dtype); backward runs outside it."""
