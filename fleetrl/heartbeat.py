@@ -10,9 +10,12 @@ Fault injection for tests (environment variables, read once per process):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
 
 _count = 0
 _delay = float(os.environ.get("FLEETRL_FAULT_BEAT_DELAY_S", "0") or 0)
@@ -27,6 +30,27 @@ def beat() -> None:
 
 def count() -> int:
     return _count
+
+
+@contextlib.contextmanager
+def beating(every_s: float = 1.0) -> Iterator[None]:
+    """Beats every `every_s` while the block runs, for work with no unit of progress to count: one torch.save
+    of a large optimiser state, a load from slow storage. A frozen process (SIGSTOP, a dead host) stops its
+    threads too, so the stall check still finds it; a thread stuck in I/O is left to the verb's call deadline
+    (cluster.call_timeout_s), which a beat does not extend."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            beat()
+
+    thread = threading.Thread(target=loop, daemon=True, name="fleetrl-beating")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=every_s + 1)
 
 
 _calls: dict[str, int] = {}

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from fleetrl import heartbeat
 from fleetrl.batch import Batch
 from fleetrl.cluster.placement import bundle_nodes, create_pool_group
 from fleetrl.cluster.watchdog import Call, Deadlines, watch
@@ -43,13 +44,15 @@ class _RayWorker(Worker):
     def put_weights(self) -> list[Any]:
         """Actor rank 0: [ObjectRef] of the published weights, owned by this process; other ranks: [] (they only
         join the gather). The list keeps Ray from resolving the ref where it is passed on."""
-        named = self.export_weights()
-        return [] if named is None else [ray.put(named)]
+        with heartbeat.beating():  # a gather and a put of a large model: no unit of progress to count
+            named = self.export_weights()
+            return [] if named is None else [ray.put(named)]
 
     def load_published(self, weights: list[Any], version: int) -> int:
         """Installs the published weights unless this engine already holds `version` (or newer)."""
         if weights and self.weights_version() < version:
-            self.install_weights(ray.get(weights[0]), version)
+            with heartbeat.beating():  # the pull from another node's object store may outlast cluster.stall_s
+                self.install_weights(ray.get(weights[0]), version)
         return self.weights_version()
 
     def generate_at(self, weights: list[Any], version: int, batch: Batch, req: GenerateRequest) -> Batch:

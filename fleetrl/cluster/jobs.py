@@ -37,6 +37,14 @@ SECRET_EXCLUDES = (".env", ".env.*", "*.env", "*token", "*.token", "*token.txt",
                    "*-token.*", "*secret*", "*.pem", "*.key", ".netrc", ".ray")
 DEFAULT_EXCLUDES = OUTPUT_EXCLUDES + SECRET_EXCLUDES
 AGENT_WAIT_S = 60.0
+# Ray's job client sends its HTTP requests without a timeout, so a head that accepts the connection and never answers
+# (a frozen dashboard) would hold a CLI call forever. Connect, then answer; a submit uploads the working dir first.
+CONNECT_TIMEOUT_S = 10.0
+ANSWER_TIMEOUT_S = 60.0
+UPLOAD_TIMEOUT_S = 600.0
+# `jobs logs --follow`: after this long without a log line, ask the head (bounded) whether the job still runs.
+FOLLOW_IDLE_S = 30.0
+TERMINAL = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,17 +176,34 @@ def job_logs(address: str, job_id: str, token: auth.ClusterToken | None = None, 
     client = _client(address, token)
     if not follow:
         return client.get_job_logs(job_id)
-    out = out or sys.stdout
     chunks: list[str] = []
-
-    async def _tail() -> None:
-        async for chunk in client.tail_job_logs(job_id):
-            chunks.append(chunk)
-            out.write(chunk)
-            out.flush()
-
-    asyncio.run(_tail())
+    asyncio.run(follow_logs(client.tail_job_logs(job_id), lambda: job_status(address, job_id, token).status,
+                            chunks, out or sys.stdout))
     return "".join(chunks)
+
+
+async def follow_logs(stream: Any, status: Any, chunks: list[str], out: TextIO, idle_s: float = FOLLOW_IDLE_S) -> None:
+    """Writes the log `stream`'s chunks to `out` (and `chunks`) until it ends. Ray's log websocket has no read
+    timeout or heartbeat, so a head that froze or a network that dropped it silently would stall it for good:
+    after `idle_s` without a chunk, `status()` (a bounded job-API call; it raises if the head does not answer)
+    says whether the job still runs. A job that ended while its stream was silent ends the follow with a note."""
+    it = aiter(stream)
+    while True:
+        step = asyncio.ensure_future(anext(it))
+        while not (await asyncio.wait({step}, timeout=idle_s))[0]:
+            state = await asyncio.to_thread(status)
+            if state in TERMINAL:
+                step.cancel()
+                print(f"the job ended ({state}) while its log stream was silent for {idle_s:.0f}s; `fleetrl jobs "
+                      f"logs ID --address ...` prints its whole log", file=sys.stderr)
+                return
+        try:
+            chunk = step.result()
+        except StopAsyncIteration:
+            return
+        chunks.append(chunk)
+        out.write(chunk)
+        out.flush()
 
 
 def stop_job(address: str, job_id: str, token: auth.ClusterToken | None = None) -> bool:
@@ -187,19 +212,37 @@ def stop_job(address: str, job_id: str, token: auth.ClusterToken | None = None) 
 
 
 def _client(address: str, token: auth.ClusterToken | None) -> Any:
-    from ray.job_submission import JobSubmissionClient
-
     if "://" not in address:
         raise ValueError(f"--address {address!r} is not the dashboard URL; pass http://HEAD_IP:8265 (the job API "
                          f"listens on the dashboard port, not the GCS port)")
     # Ray lets RAY_ADDRESS / RAY_API_SERVER_ADDRESS override an explicit address; here the flag wins.
     with _without_env("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
         try:
-            return JobSubmissionClient(address, headers=auth.http_headers(token))
+            return _bounded_client_class()(address, headers=auth.http_headers(token))
         except ConnectionError as e:
             raise ConnectionError(f"cannot reach the Ray job API at {address}: {e}. Is the head up (`fleetrl "
                                   f"cluster status` on it)? The dashboard binds 127.0.0.1 by default: use an SSH "
                                   f"tunnel (ssh -L 8265:127.0.0.1:8265 HEAD) or start it with --dashboard-host.") from e
+
+
+def _bounded_client_class() -> type:
+    """Ray's JobSubmissionClient whose every request has a deadline (CONNECT_TIMEOUT_S, then ANSWER_TIMEOUT_S, or
+    UPLOAD_TIMEOUT_S for the working-dir upload), and whose timeout says which head did not answer."""
+    import requests
+    from ray.job_submission import JobSubmissionClient
+
+    class BoundedJobClient(JobSubmissionClient):
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            answer_s = UPLOAD_TIMEOUT_S if method == "PUT" else ANSWER_TIMEOUT_S
+            kwargs.setdefault("timeout", (CONNECT_TIMEOUT_S, answer_s))
+            try:
+                return super()._do_request(method, endpoint, **kwargs)
+            except requests.Timeout as e:
+                raise TimeoutError(f"the Ray job API at {self._address} did not answer {method} {endpoint} within "
+                                   f"{kwargs['timeout']}s (connect, answer). Is the head frozen or overloaded? "
+                                   f"Check it with `fleetrl cluster status` on the head.") from e
+
+    return BoundedJobClient
 
 
 def _info(details: Any) -> JobInfo:

@@ -40,6 +40,8 @@ class Stream:
         self.last_count: dict[int, int] = {}
         self.last_move: dict[int, float] = {}
         self.last_answer: dict[int, float] = {}
+        self.finished: set[Any] = set()
+        """Refs seen finished while the caller waited on others, not yet collected."""
 
     def submit(self, rank: int, method: Callable, *args: Any) -> Any:
         now = time.monotonic()
@@ -63,12 +65,13 @@ class Stream:
                 self.waited_s += time.monotonic() - start
                 return {ref: self._collect(ref) for ref in ready}
             now = time.monotonic()
-            busy = [i for i in range(len(calls)) if self._has_pending(i)]
+            busy = self._running(refs, now)
             _read_pings(calls, busy, self.pings, self.last_count, self.last_move, now, self.last_answer)
             self._check(calls, busy, now, start)
 
     def _collect(self, ref: Any) -> Any:
         call = self.pending.pop(ref)
+        self.finished.discard(ref)
         try:
             out, seconds = ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as e:
@@ -99,11 +102,25 @@ class Stream:
         """One watchdog Call per rank (the ref is unused: pings and diagnosis go by worker)."""
         return self.group.calls([None] * self.group.world_size)
 
+    def _running(self, waited: Collection[Any], now: float) -> list[int]:
+        """Ranks with a call not yet finished. A rank whose calls all finished while the caller waits on other refs
+        (load_engines waits on its loads; a generate queued before one may be done, its result not yet collected)
+        is idle: its heartbeat stands still, and counting it would report a healthy worker as stuck. A call seen
+        finished here ends its rank's previous call for the next one's deadline, as a collected one does."""
+        others = [r for r in self.pending if r not in waited and r not in self.finished]
+        for ref in ray.wait(others, num_returns=len(others), timeout=0)[0] if others else []:
+            self.finished.add(ref)
+            rank = self.pending[ref].rank
+            self.last_done[rank] = self.last_move[rank] = now
+        return sorted({p.rank for r, p in self.pending.items() if r not in self.finished})
+
     def _has_pending(self, rank: int) -> bool:
-        return any(p.rank == rank for p in self.pending.values())
+        """Whether the rank has a call not seen finished (one running, or queued behind it)."""
+        return any(p.rank == rank and r not in self.finished for r, p in self.pending.items())
 
     def _head(self, rank: int) -> _Pending:
-        return next(p for p in self.pending.values() if p.rank == rank)
+        """The rank's running call: its first pending one not seen finished."""
+        return next(p for r, p in self.pending.items() if p.rank == rank and r not in self.finished)
 
     def _head_start(self, rank: int) -> float:
         return max(self._head(rank).submitted, self.last_done[rank])

@@ -39,7 +39,8 @@ class RewardServerLostError(RemoteRewardError):
 
 
 class _Frozen(Exception):
-    """The server stopped answering /health during a /score: retrying elsewhere may help."""
+    """During a /score the server stopped answering /health, or it gave no complete answer in time: retrying
+    elsewhere may help."""
 
 
 class _Refused(Exception):
@@ -145,12 +146,18 @@ class RemoteRewardClient:
                 done.set()
 
         threading.Thread(target=post, daemon=True, name="fleetrl-reward-post").start()
+        # requests' read timeout bounds each socket read, not the answer: a peer (a proxy, a third-party server)
+        # that trickles its body, or answers /health while /score never completes, would hold the call forever.
+        deadline = time.monotonic() + self.timeout_s + 2 * self.connect_timeout_s
         misses = 0
         while not done.wait(self.connect_timeout_s):
             misses = 0 if self._answers(url) else misses + 1
             if misses == HEALTH_MISSES:
                 raise _Frozen(f"stopped answering /health while scoring ({HEALTH_MISSES} checks of "
                               f"{self.connect_timeout_s:g}s, rewards.remote_connect_timeout_s)")
+            if time.monotonic() > deadline:
+                raise _Frozen(f"gave no complete answer to /score within rewards.remote_timeout_s={self.timeout_s:g}s "
+                              f"(+ {2 * self.connect_timeout_s:g}s to connect), though it answers /health")
         if "error" in box:
             raise box["error"]
         return box["body"]

@@ -6,9 +6,11 @@ one and `release` the only way to give it back.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -111,11 +113,30 @@ def gpu_uuids() -> list[str]:
     if not shutil.which("nvidia-smi"):
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30, check=True).stdout
+        done = run_bounded(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], timeout_s=30)
     except (subprocess.SubprocessError, OSError):
         return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
+
+
+def run_bounded(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
+                reap_s: float = 5.0) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) that returns within timeout_s + reap_s. On a timeout,
+    subprocess.run kills the child and then waits for its pipes with no limit, and a GPU probe stuck in the driver
+    (D state) outlives SIGKILL, as may a grandchild holding the pipes: the sweep's loop, which watches its runs for
+    stalls, would wait with it. Here the child's process group is killed and what is still stuck is left to the OS.
+    Raises subprocess.TimeoutExpired."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=reap_s)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def detect_cpus() -> list[int]:

@@ -34,6 +34,7 @@ from fleetrl.sweep.resources import (
     detect_gpus,
     gpu_uuids,
     gpus_needed,
+    run_bounded,
 )
 from fleetrl.sweep.table import StatusView
 
@@ -269,8 +270,7 @@ def _record_devices(run_dir: Path, slot: Slot, env: dict[str, str]) -> None:
     probe = ("import json, torch; print(json.dumps([str(torch.cuda.get_device_properties(i).uuid) "
              "for i in range(torch.cuda.device_count())]))")
     try:
-        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120,
-                             check=False)
+        out = run_bounded([sys.executable, "-c", probe], env=env, timeout_s=120)
         info["torch_uuids"] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else out.stderr[-500:]
     except (subprocess.SubprocessError, ValueError, IndexError) as e:
         info["torch_uuids"] = f"probe failed: {e}"

@@ -194,9 +194,10 @@ class Worker:
         from fleetrl.workers.state import save_extras, save_trainable
 
         root = Path(ckpt_dir)
-        for role, engine in self._engines().items():
-            save_trainable(root / role, engine, self.ctx.rank)
-        save_extras(root / "workers" / f"{self.ctx.pool}_r{self.ctx.rank}.pt", self._engines())
+        with heartbeat.beating():  # one write of a large state may outlast cluster.stall_s with nothing to count
+            for role, engine in self._engines().items():
+                save_trainable(root / role, engine, self.ctx.rank)
+            save_extras(root / "workers" / f"{self.ctx.pool}_r{self.ctx.rank}.pt", self._engines())
         if dist.is_initialized():
             dist.barrier()  # rank 0's unsharded write must finish before anyone reports success
 
@@ -204,9 +205,10 @@ class Worker:
         from fleetrl.workers.state import load_extras, load_trainable
 
         root = Path(ckpt_dir)
-        for role, engine in self._engines().items():
-            load_trainable(root / role, engine)
-        load_extras(root / "workers" / f"{self.ctx.pool}_r{self.ctx.rank}.pt", self._engines())
+        with heartbeat.beating():
+            for role, engine in self._engines().items():
+                load_trainable(root / role, engine)
+            load_extras(root / "workers" / f"{self.ctx.pool}_r{self.ctx.rank}.pt", self._engines())
 
     def model_state(self, role: str) -> dict[str, torch.Tensor]:
         """The role's weights under plain HF names (a LoRA actor's adapters merged in)."""

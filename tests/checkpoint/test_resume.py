@@ -72,7 +72,7 @@ def test_dp2_checkpoint_resumes_at_dp1(tmp_path, ray_local, dp2_3):
     records = train_run("examples/ppo_tiny.yaml", tmp_path / "r", *BASE, "trainer.total_steps=6",
                         "trainer.resume=auto")
     assert max(r["step"] for r in records) == 6
-    # the DP=1 run started from exactly the DP=2 weights: its step-3 validation equals the saved run's view
+    # the DP=1 run resumed at the DP=2 run's step 3 (test_loaded_weights_equal_saved checks the weights it loads)
     resumed_from = [r for r in records if r.get("event") == "resumed"]
     assert resumed_from and resumed_from[0]["step"] == 3
     after = _weights(tmp_path / "r" / "checkpoints" / "step_6", "actor")

@@ -86,5 +86,5 @@ def test_a_failing_verb_raises_its_own_error(setup):
 def test_overhead_is_taken_once(setup):
     _, group, _ = setup
     group.call_all(Worker.weights_version)
-    assert group.take_overhead() >= 0.0
+    assert group.take_overhead() > 0.0  # the call's time outside the worker method was counted
     assert group.take_overhead() == 0.0  # reset by the first take

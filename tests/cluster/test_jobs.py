@@ -2,7 +2,9 @@
 stopped by PID with `fleetrl cluster down`); one head for the module."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import io
 import os
 import shutil
 import socket
@@ -224,3 +226,57 @@ def test_job_api_rejects_a_client_without_the_token(head):
 def test_address_must_be_the_dashboard_url():
     with pytest.raises(ValueError, match="http://HEAD_IP:8265"):
         jobs.list_jobs("10.0.0.1:6379")
+
+
+def test_a_head_that_accepts_and_never_answers_times_out_with_its_address(monkeypatch):
+    # A listening socket nobody accepts from: the kernel completes the connection and the request waits for an
+    # answer that never comes, as with a frozen dashboard. Ray's client alone would wait forever.
+    monkeypatch.setattr(jobs, "ANSWER_TIMEOUT_S", 0.5)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"{url} did not answer GET /api/version within .*cluster status"):
+            jobs.list_jobs(url)
+        assert time.monotonic() - t0 < 10
+
+
+def _stalling_stream(first: list[str]):
+    async def gen():
+        for chunk in first:
+            yield chunk
+        await asyncio.sleep(3600)  # a websocket that went silent: no chunk, no close
+        yield "never"
+    return gen()
+
+
+def test_follow_ends_when_the_job_ended_behind_a_silent_stream(capsys):
+    states = iter(["RUNNING", "SUCCEEDED"])
+    asked, chunks, out = [], [], io.StringIO()
+
+    def status():
+        asked.append(1)
+        return next(states)
+
+    asyncio.run(jobs.follow_logs(_stalling_stream(["a\n", "b\n"]), status, chunks, out, idle_s=0.05))
+    assert chunks == ["a\n", "b\n"] and out.getvalue() == "a\nb\n"
+    assert len(asked) == 2  # still running after the first silence, ended after the second
+    assert "ended (SUCCEEDED) while its log stream was silent" in capsys.readouterr().err
+
+
+def test_follow_raises_when_the_head_does_not_answer_either():
+    def status():
+        raise TimeoutError("the Ray job API at http://h:8265 did not answer")
+
+    with pytest.raises(TimeoutError, match="http://h:8265 did not answer"):
+        asyncio.run(jobs.follow_logs(_stalling_stream([]), status, [], io.StringIO(), idle_s=0.05))
+
+
+def test_follow_returns_at_the_end_of_the_stream():
+    async def gen():
+        yield "x"
+
+    chunks: list[str] = []
+    asyncio.run(jobs.follow_logs(gen(), lambda: pytest.fail("no silence, no status call"), chunks, io.StringIO()))
+    assert chunks == ["x"]

@@ -77,7 +77,13 @@ def test_a_lost_worker_is_not_a_frozen_node(monkeypatch, tmp_path):
     from fleetrl.cluster.group import WorkerLostError
 
     plan = derive_plan(load_config("examples/quickstart.yaml", OVERRIDES))
-    monkeypatch.setattr(supervisor, "Trainer", _fake_trainer([WorkerLostError("pool 'main': a worker died"), {}], []))
+    built, capacity = [], []
+    monkeypatch.setattr(supervisor, "Trainer", _fake_trainer([WorkerLostError("pool 'main': a worker died"),
+                                                              {"done": 1.0}], built))
     monkeypatch.setattr(supervisor, "wait_until_declared", lambda nodes, timeout_s: pytest.fail("not a frozen node"))
-    monkeypatch.setattr(supervisor, "wait_for_capacity", lambda p, timeout_s: None)
-    supervisor.Supervisor(plan, _Tracker(), tmp_path).run()
+    monkeypatch.setattr(supervisor, "wait_for_capacity", lambda p, timeout_s: capacity.append(timeout_s))
+    tracker = _Tracker()
+    assert supervisor.Supervisor(plan, tracker, tmp_path).run() == {"done": 1.0}
+    assert len(capacity) == 1 and 19.0 < capacity[0] <= 20.0  # straight to the capacity check: restart_wait_s left
+    assert [name for name, _ in tracker.events] == ["restart"]
+    assert built == [plan, plan]  # the same plan rebuilt: not the fallback

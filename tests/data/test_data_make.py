@@ -12,8 +12,6 @@ from fleetrl.data import DataError, load_dataset, read_rows
 from fleetrl.data.make import SYSTEM_PROMPTS, make_data, parse_options
 from fleetrl.rewards import RewardRouter, resolve_scorer
 
-pytest.importorskip("reasoning_gym", reason="reasoning-gym tasks need the reasoning-gym package")
-
 VERL_COLUMNS = {"data_source", "prompt", "ability", "reward_model", "extra_info"}
 
 

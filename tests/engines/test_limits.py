@@ -65,6 +65,7 @@ def test_hf_engine_cuts_each_sample_at_its_limit():
     unlimited = HFRolloutEngine(build_tiny_model(tok), tok).generate(ids, mask, _params(None, max_new=6))
     limited = HFRolloutEngine(build_tiny_model(tok), tok).generate(ids, mask, _params([2, 6, 4], max_new=6))
     free_len = unlimited.response_mask.sum(1).tolist()
+    assert any(n < f for n, f in zip([2, 6, 4], free_len)), f"no limit cut anything (free lengths {free_len})"
     for i, n in enumerate([2, 6, 4]):
         keep = min(n, free_len[i])  # an EOS before the limit ends the sample as in the unlimited call
         assert int(limited.response_mask[i].sum()) == keep

@@ -44,8 +44,9 @@ def test_staleness_zero_is_the_synchronous_run(tmp_path, ray_local):
                 f"step {step}: {key} sync {s[key]!r} async {a[key]!r}"
 
 
-def _recorded_run(tmp_path: Path, *overrides: str) -> list[tuple[int, list[int]]]:
-    """Trains and returns, per step, (the version trained, the recorded version of every sample it trained on)."""
+def _recorded_run(tmp_path: Path, *overrides: str, batches: list | None = None) -> list[tuple[int, list[int]]]:
+    """Trains and returns, per step, (the version trained, the recorded version of every sample it trained on).
+    `batches`, when given, receives each step's trained batch."""
     cfg = load_config("examples/quickstart.yaml", [*SHORT, *overrides, "tracking.console=false",
                                                    "tracking.progress=false", f"trainer.output_dir={tmp_path}"])
     trainer = Trainer(derive_plan(cfg), Tracker(tmp_path, cfg.tracking, {}, "async"), tmp_path)
@@ -54,6 +55,8 @@ def _recorded_run(tmp_path: Path, *overrides: str) -> list[tuple[int, list[int]]
 
     def spy(batch):
         seen.append((trainer.progress.weights_version, batch["weights_version"].tolist()))
+        if batches is not None:
+            batches.append(batch)
         return real(batch)
 
     trainer.advantages = spy  # type: ignore[method-assign]
@@ -82,13 +85,23 @@ def test_no_sample_beyond_the_bound_is_trained_on(tmp_path, ray_local):
 
 @pytest.mark.slow
 def test_dynamic_sampling_refills_from_the_stream_within_the_bound(tmp_path, ray_local):
-    # Chunks of 2 groups; groups whose 8 rewards are all equal are dropped and the step takes more chunks.
+    # Chunks of 2 groups; groups whose 8 rewards are all equal are dropped and the step takes more chunks: at
+    # most max_rounds (2) x chunks_per_step (4) = 8 chunks a step.
+    batches: list = []
     seen = _recorded_run(tmp_path, *SPLIT, "trainer.mode=async", "trainer.max_staleness=1", "trainer.chunk_groups=2",
                          "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_rounds=2",
-                         "trainer.total_steps=3")
+                         "trainer.total_steps=3", batches=batches)
     assert [t for t, _ in seen] == [0, 1, 2]
     assert all(len(v) == 8 * 8 for _, v in seen)
     assert staleness_bound_holds([t for t, _ in seen], [v for _, v in seen], 1)
+    stats = [b.meta["dynamic_sampling"] for b in batches]
+    # The filter ran and refilled: groups were dropped, and some step took more than its 4 chunks.
+    assert sum(s["dynamic_sampling/dropped_groups"] for s in stats) > 0, stats
+    assert any(4 < s["dynamic_sampling/rounds"] <= 8 for s in stats), stats
+    for b, s in zip(batches, stats):  # the informative groups come first: each has scores that differ
+        kept = 8 - int(s["dynamic_sampling/shortfall_groups"])
+        scores = b["scores"].view(8, 8)
+        assert all(len(set(scores[g].tolist())) > 1 for g in range(kept)), (s, scores)
 
 
 @pytest.mark.slow

@@ -73,6 +73,7 @@ def test_no_restarts_left_exits_nonzero_with_the_message_and_no_ray_left(tmp_pat
     assert error and "pool 'main' rank 0" in error[0] and "in phase 'generate'" in error[0], text[-2000:]
     assert "Traceback" not in text
     time.sleep(2)
+    assert children, "the CLI ended before any Ray process of it was seen: nothing was checked"
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], children
 
 

@@ -270,6 +270,56 @@ def test_frozen_server_is_given_up_on_by_health_probes_not_the_scoring_timeout()
         assert time.monotonic() - start < 5.0
 
 
+@contextmanager
+def trickling_server():
+    """Answers /health at once, and /score with a 1,000-byte body sent one byte per 0.1 s: each read returns well
+    inside any read timeout, so only a deadline on the whole answer ends the call."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            try:
+                for _ in range(1000):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except OSError:  # the client gave up
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_answer_that_never_completes_ends_at_the_scoring_deadline():
+    # Timeout 1 s + 2 x 0.2 s to connect: the trickle (100 s) is cut at ~1.4-1.6 s although /health answers.
+    with trickling_server() as url:
+        client = RemoteRewardClient([url], timeout_s=1, retries=0, connect_timeout_s=0.2)
+        start = time.monotonic()
+        with pytest.raises(RewardServerLostError, match=r"no complete answer to /score within "
+                                                        r"rewards.remote_timeout_s=1s"):
+            client.score(["a"], ["a"], ["d"], [{}])
+        assert time.monotonic() - start < 5.0
+
+
 def test_slow_scorer_on_a_live_server_keeps_its_full_timeout(scorers):
     # "slow" takes 1 s per sample; probes every 0.2 s get answers (the server is alive), so the attempt is not cut.
     with serving(fn=f"{scorers}:slow") as server:

@@ -1,7 +1,12 @@
+import os
+import subprocess
+import time
+
+import psutil
 import pytest
 
 from fleetrl.config import load_config
-from fleetrl.sweep.resources import Allocator, Slot, cpus_needed, gpus_needed
+from fleetrl.sweep.resources import Allocator, Slot, cpus_needed, gpus_needed, run_bounded
 
 
 def test_gpu_slots_are_disjoint_and_runs_queue_when_short():
@@ -48,3 +53,21 @@ def test_placement_needs():
     # one pool: 1 node x 2 workers x 1 GPU = 2 GPUs; 2 workers x 1 CPU (quickstart's cpus_per_worker) = 2 CPUs
     assert gpus_needed(cfg) == 2 and cpus_needed(cfg) == 2
     assert gpus_needed(load_config("examples/quickstart.yaml", [])) == 0
+
+
+def test_run_bounded_returns_even_when_a_process_holds_its_pipes_past_the_kill():
+    # The grandchild leaves the group (setsid) and keeps the pipes open, as a probe stuck in the GPU driver outlives
+    # SIGKILL: subprocess.run(timeout=...) would then wait for the pipes for 60 s. run_bounded gives up after reap_s.
+    marker = f"sleep {60 + os.getpid() % 1000 / 1000:.3f}"  # a unique command line, to end only our own process
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_bounded(["sh", "-c", f"setsid {marker} & sleep 60"], timeout_s=0.5, reap_s=1.0)
+    assert time.monotonic() - t0 < 5
+    for proc in psutil.process_iter(["cmdline"]):
+        if " ".join(proc.info["cmdline"] or []) == marker:
+            proc.kill()
+
+
+def test_run_bounded_returns_the_output():
+    done = run_bounded(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout_s=10)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")

@@ -132,3 +132,26 @@ def test_recompute_pass_adds_old_logprobs_and_the_kl_uses_them(recomputed: Train
     [(parts, spec)] = sent
     assert spec.old_logprobs == "recomputed" and len(spec.minis) == 2
     assert set(parts[0].tensors) == set(SEQ_KEYS) | {"advantages", "rollout_logprobs", "old_logprobs"}
+
+
+def test_dynamic_sampling_refills_a_sync_step_with_informative_groups(tmp_path: Path):
+    # 4 prompts x 2 samples a round, scores set per round: round 1 keeps groups 0 and 3 (their two scores differ)
+    # and drops 1 and 2; round 2 keeps 1 and 2 and drops 0 and 3. Four informative groups after 2 of 3 rounds.
+    t = _trainer(tmp_path, "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_rounds=3")
+    try:
+        rounds = iter([[0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]])
+        t.scorer.score = lambda batch, texts=None: (torch.tensor(next(rounds)), {})  # type: ignore[method-assign]
+        generated, real_generate = [], t.generate
+        t.generate = lambda prompts: generated.append(real_generate(prompts)) or generated[-1]  # type: ignore
+        batch = t.rollouts()
+        assert len(generated) == 2 and next(rounds, None) is None  # exactly two rounds ran
+        assert batch.meta["dynamic_sampling"] == {"dynamic_sampling/rounds": 2.0,
+                                                  "dynamic_sampling/dropped_groups": 4.0,
+                                                  "dynamic_sampling/shortfall_groups": 0.0}
+        assert batch["scores"].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+        assert batch["group"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+        r1, r2 = (list(g["ground_truth"]) for g in generated)
+        assert list(batch["ground_truth"]) == [r1[0], r1[1], r1[6], r1[7], r2[2], r2[3], r2[4], r2[5]]
+    finally:
+        t.shutdown()
+        t.tracker.close()

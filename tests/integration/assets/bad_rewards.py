@@ -1,4 +1,4 @@
-"""Reward functions that misbehave, for the bad-input tests."""
+"""Reward functions for the integration tests: ones that misbehave, and a constant that only a served scorer gives."""
 import time
 
 
@@ -15,3 +15,8 @@ def hangs_on_three(response, ground_truth, extra_info):
 def sleeps_forever(response, ground_truth, extra_info):
     time.sleep(10_000)
     return 0.0
+
+
+def served_constant(response, ground_truth, extra_info):
+    """A score no local scorer gives: a run that reports it scored over HTTP."""
+    return 0.75
