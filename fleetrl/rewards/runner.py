@@ -212,8 +212,8 @@ class RewardRunner:
         while True:
             try:
                 reply = conn.recv()
-            except (EOFError, OSError):
-                self._worker_died(st, conn)
+            except (EOFError, OSError) as exc:  # a reply stalled past timeout_s (bound_pipe_io) is BlockingIOError
+                self._worker_died(st, conn, stalled=isinstance(exc, BlockingIOError))
                 return
             i = job.batch[job.answered]
             job.answered += 1
@@ -227,11 +227,13 @@ class RewardRunner:
             if not conn.poll():
                 return
 
-    def _worker_died(self, st: _Pass, conn: Connection) -> None:
+    def _worker_died(self, st: _Pass, conn: Connection, stalled: bool = False) -> None:
         # Replies come in order, so the call it died in is the first unanswered one; the rest never started.
         job = st.busy.pop(conn)
         i, *rest = job.unanswered
-        st.outcomes[i] = ("error", "the reward worker died during the call (crash or exit in the scorer)")
+        st.outcomes[i] = ("error", f"the reward worker stopped halfway through its reply for {self.timeout_s:g}s "
+                                   f"(rewards.timeout_s; a frozen process) and was killed" if stalled else
+                                   "the reward worker died during the call (crash or exit in the scorer)")
         st.tally.returned(st.spec(i), failed=True)
         job.worker.kill()
         self._requeue(st, rest)
@@ -266,7 +268,7 @@ class RewardRunner:
 
     def _fill_idle(self, want: int) -> None:
         try:
-            fresh = [RewardWorker(self._ctx) for _ in range(want - len(self._idle))]
+            fresh = [RewardWorker(self._ctx, io_timeout_s=self.timeout_s) for _ in range(want - len(self._idle))]
             for worker in fresh:  # started together, waited for together: spawn start-up overlaps
                 worker.wait_ready()
         except RuntimeError:

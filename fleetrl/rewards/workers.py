@@ -3,7 +3,10 @@ pipe, and the claim counter it shares with the runner so the runner knows exactl
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
+import socket
+import struct
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
@@ -115,11 +118,26 @@ def _serve_process(conn: Connection, claims: Claims) -> None:
     _serve(conn, claims)
 
 
+def bound_pipe_io(conn: Connection, seconds: float) -> None:
+    """A send or receive on the runner's end of a process worker's pipe fails (OSError) after `seconds` without
+    progress, instead of blocking the trainer's thread. A batch larger than the pipe's buffer blocks the send
+    until the worker reads it, and a reply is read whole once its first bytes arrive: a worker frozen while idle,
+    or halfway through a reply (SIGSTOP, a cgroup freezer), would hold the runner forever. The pipe is a
+    socketpair (multiprocessing's duplex Pipe on POSIX), and the options set on a duplicate of its descriptor
+    apply to the socket itself."""
+    timeval = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+
+
 class RewardWorker:
     """One thread or process running `_serve`; `conn` is the runner's end of its pipe."""
 
-    def __init__(self, ctx: Any | None) -> None:
+    def __init__(self, ctx: Any | None, io_timeout_s: float | None = None) -> None:
         self.conn, child = multiprocessing.Pipe() if ctx is None else ctx.Pipe()
+        if ctx is not None and io_timeout_s:
+            bound_pipe_io(self.conn, io_timeout_s)
         self.claims = Claims(ctx)
         if ctx is None:
             self._proc = None

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import signal
+import struct
 import time
 
 import pytest
@@ -11,7 +14,7 @@ from fleetrl.rewards import RewardError, RewardRouter, RewardRunner
 from fleetrl.rewards import runner as runner_module
 from fleetrl.rewards.errors import ScorerFailureError
 from fleetrl.rewards.runner import _batch_size, _interleaved
-from fleetrl.rewards.workers import Claims
+from fleetrl.rewards.workers import Claims, RewardWorker, bound_pipe_io
 
 SCORERS_FILE = """
 import os
@@ -340,3 +343,29 @@ def test_when_a_batch_stops_a_hung_scorers_calls_count_as_failed_and_the_others_
                                                  r"\(0 errors, 0 timeouts, 2 not run after repeated timeouts, 2 of "
                                                  r"other scorers not run, limit\)"):
         check_failure_rate(result, 0.5, "limit")
+
+
+def test_a_send_to_a_frozen_idle_process_worker_fails_instead_of_blocking():
+    # 16 MB is far more than the pipe buffers: the send needs the worker to read, and a stopped worker never does.
+    worker = RewardWorker(multiprocessing.get_context("spawn"), io_timeout_s=0.5)
+    try:
+        worker.wait_ready()
+        os.kill(worker._proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            worker.conn.send(("claims", ["x" * 16 * 2**20]))
+        assert time.monotonic() - t0 < 5
+    finally:
+        worker.kill()  # SIGKILL ends a stopped process too
+
+
+def test_a_reply_that_stops_halfway_fails_instead_of_blocking():
+    ours, theirs = multiprocessing.Pipe()
+    bound_pipe_io(ours, 0.3)
+    os.write(theirs.fileno(), struct.pack("!i", 1000) + b"x" * 10)  # a header for 1,000 bytes, then only 10
+    t0 = time.monotonic()
+    with pytest.raises(BlockingIOError):
+        ours.recv()
+    assert time.monotonic() - t0 < 5
+    ours.close()
+    theirs.close()
