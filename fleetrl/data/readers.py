@@ -1,6 +1,7 @@
 """Reading prompt files into plain row dicts: parquet, JSON lines, or a JSON array."""
 from __future__ import annotations
 
+import codecs
 import json
 import os
 
@@ -19,7 +20,7 @@ def read_rows(path: str) -> list[dict]:
     """
     if not os.path.isfile(path):
         where = "is a directory" if os.path.isdir(path) else "does not exist"
-        raise DataError(f"data file {path!r} {where}; check data.train_files / data.val_files "
+        raise DataError(f"data file {path!r} {where}; check the path in data.train / data.val "
                         f"(relative paths are resolved from {os.getcwd()!r})")
     ext = os.path.splitext(path)[1].lower()
     if ext in PARQUET_EXTS:
@@ -47,8 +48,7 @@ def _read_parquet(path: str) -> list[dict]:
 
 
 def _read_json(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = _read_utf8(path)
     if path.lower().endswith(".json") and text.lstrip().startswith("["):
         return _read_json_array(path, text)
     rows = []
@@ -65,6 +65,21 @@ def _read_json(path: str) -> list[dict]:
                             "each line must hold one JSON object like {\"prompt\": ..., ...}")
         rows.append(obj)
     return rows
+
+
+def _read_utf8(path: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    # Tools on Windows often write a UTF-8 byte-order mark; it is not part of the JSON, so it is dropped.
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DataError(f"data file {path!r}: line {line} (1-based), byte column {column} is not valid UTF-8 "
+                        f"(byte 0x{data[exc.start]:02x}); JSON data files must be UTF-8 encoded. Re-save the file "
+                        "as UTF-8 (e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`)") from exc
 
 
 def _read_json_array(path: str, text: str) -> list[dict]:

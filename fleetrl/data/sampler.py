@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ class MixtureSampler:
     using one uniform number per draw, so `next_indices(4)` twice equals `next_indices(8)` once.
     """
 
-    def __init__(self, sizes: dict[str, int], weights: dict[str, float] | None, *, seed: int,
+    def __init__(self, sizes: dict[str, int], weights: Mapping[str, float] | None, *, seed: int,
                  shuffle: bool = True) -> None:
         self.tasks: list[str] = list(sizes)
         self.sizes = dict(sizes)
@@ -90,13 +91,13 @@ class MixtureSampler:
         self._perm_cache.clear()
 
 
-def mixture_probabilities(sizes: dict[str, int], weights: dict[str, float] | None) -> dict[str, float]:
+def mixture_probabilities(sizes: dict[str, int], weights: Mapping[str, float] | None) -> dict[str, float]:
     """Per-task sampling probabilities: `weights` normalised, or task sizes normalised when None.
 
     Raises DataError for empty tasks and for weights that name unknown tasks, miss a task, or are invalid.
     """
     if not sizes:
-        raise DataError("no data tasks to sample from; set data.train_files")
+        raise DataError("no data tasks to sample from; set data.train (a path, list of paths or {task: path})")
     empty = [t for t, n in sizes.items() if n <= 0]
     if empty:
         raise DataError(f"data tasks {empty} have no prompts; remove them or fix their files")
@@ -105,13 +106,13 @@ def mixture_probabilities(sizes: dict[str, int], weights: dict[str, float] | Non
     return {t: float(weights[t]) / total for t in sizes}
 
 
-def _cdf(sizes: dict[str, int], weights: dict[str, float] | None) -> np.ndarray:
+def _cdf(sizes: dict[str, int], weights: Mapping[str, float] | None) -> np.ndarray:
     cdf = np.cumsum(np.array(list(mixture_probabilities(sizes, weights).values()), dtype=np.float64))
     cdf[-1] = 1.0  # rounding must never let a uniform draw in [0, 1) fall past the last task
     return cdf
 
 
-def _check_weights(sizes: dict[str, int], weights: dict[str, float]) -> dict[str, float]:
+def _check_weights(sizes: dict[str, int], weights: Mapping[str, float]) -> Mapping[str, float]:
     unknown = sorted(set(weights) - set(sizes))
     if unknown:
         raise DataError(f"data.weights names unknown tasks {unknown}; the tasks are {list(sizes)}")

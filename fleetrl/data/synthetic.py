@@ -1,7 +1,10 @@
 """Registry of synthetic tasks: generators selected by a `synthetic:NAME?key=val&...` data spec.
 
-A generator takes the query parameters as keyword arguments (values already converted to int, float or
-bool where they look like one) and returns rows in the verl schema (`data_source`, `prompt`,
+A generator takes the query parameters as keyword arguments, each converted to the type the generator
+declares for it (annotation, else its default's type; an undeclared one to int, float or bool where it looks
+like one), so `n=abc` for `n: int` is a DataError naming the parameter. A generator raises ValueError, naming
+the parameter, for a value it cannot use (`split=foo`); the user sees it as a DataError naming the spec.
+It returns rows in the verl schema (`data_source`, `prompt`,
 `reward_model.ground_truth`, ...), which then go through the same normalisation as rows read from files.
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ def _digit_rows(op: str, *, n: int, split: str, seed: int, noise: int) -> list[d
     if op not in _OPS:
         raise ValueError(f"unknown op {op!r}; choose from {sorted(_OPS)}")
     if split not in ("train", "val"):
-        raise ValueError(f"split must be train or val, got {split!r}")
+        raise ValueError(f"parameter 'split' must be train or val, got {split!r}")
     rng = random.Random(f"{seed}-{op}-{split}")
     rows = []
     while len(rows) < n:
@@ -83,9 +83,9 @@ def lookup_task(n: int = 512, keys: int = 26, split: str = "train", seed: int = 
     `lookup` environment (fleetrl.envs.tool_env.lookup_env) can supply it: the model calls `? q`, reads the
     tool's `7`, and answers `7`. Every word is in the tiny vocabulary."""
     if not 1 <= keys <= len(_LETTERS):
-        raise ValueError(f"synthetic:lookup keys must be in 1..{len(_LETTERS)}, got {keys}")
+        raise ValueError(f"parameter 'keys' must be in 1..{len(_LETTERS)}, got {keys}")
     if split not in ("train", "val"):
-        raise ValueError(f"split must be train or val, got {split!r}")
+        raise ValueError(f"parameter 'split' must be train or val, got {split!r}")
     rng = random.Random(f"{seed}-lookup-{split}")
     rows = []
     while len(rows) < n:

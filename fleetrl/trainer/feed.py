@@ -12,11 +12,12 @@ from fleetrl.models.hf import load_tokenizer
 
 
 class PromptFeed:
-    def __init__(self, cfg: RunConfig, spec: Any, tokenizer: Any, *, seed: int, shuffle: bool) -> None:
+    def __init__(self, cfg: RunConfig, spec: Any, tokenizer: Any, *, seed: int, shuffle: bool,
+                 key: str = "data.train") -> None:
         d = cfg.data
         self.tokenizer = tokenizer
         self.dataset: MixtureDataset = load_dataset(
-            spec, tokenizer, weights=d.weights, input_key=d.input_key, label_key=d.label_key,
+            spec, tokenizer, weights=d.weights, key=key, input_key=d.input_key, label_key=d.label_key,
             default_data_source=d.default_data_source, max_prompt_length=d.max_prompt_length,
             apply_chat_template=d.apply_chat_template)
         self.sampler = self.dataset.make_sampler(seed=seed, shuffle=shuffle)
@@ -32,7 +33,8 @@ class PromptFeed:
         cfg = plan.config
         if cfg.data.val is None:
             return None
-        return cls(cfg, cfg.data.val, tokenizer or _tokenizer(cfg), seed=plan.seed("sampler"), shuffle=False)
+        return cls(cfg, cfg.data.val, tokenizer or _tokenizer(cfg), seed=plan.seed("sampler"), shuffle=False,
+                   key="data.val")
 
     @property
     def pad_id(self) -> int:

@@ -62,7 +62,7 @@ def test_synthetic_spec_uses_the_registry(tokenizer, monkeypatch):
     assert mix.sizes == {"adder": 3} and mix["adder", 2][0].ground_truth == "104"
     with pytest.raises(DataError, match="unknown synthetic task 'nope'.*adder"):
         load_dataset("synthetic:nope", tokenizer, **LOAD)
-    with pytest.raises(DataError, match="rejected parameters"):
+    with pytest.raises(DataError, match="unknown parameter 'm'; the task's parameters are n, big=False"):
         load_dataset("synthetic:adder?m=1", tokenizer, **LOAD)
 
 
