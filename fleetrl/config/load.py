@@ -35,7 +35,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
             raise ConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML run config "
                               f"(see examples/quickstart.yaml)")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = load_yaml(_read_text(p)) or {}
+        except DuplicateKeyError as e:
+            raise ConfigError(f"{p}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from e
         if not isinstance(raw, dict):
@@ -45,13 +47,88 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     return build(RunConfig, resolve_refs(raw, ""), "")
 
 
+def _read_text(p: Path) -> str:
+    """The file's text; not-UTF-8 bytes (a UTF-16 export, a Latin-1 editor) name the file and the offset."""
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot be read ({e.strerror}); check the file's permissions") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bom = " (it starts with a UTF-16 byte-order mark)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise ConfigError(f"{p}: not UTF-8 text{bom}: byte {data[e.start:e.start + 1]!r} at offset {e.start} "
+                          f"cannot be decoded; a config file must be UTF-8 text, so re-save it as UTF-8") from None
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one mapping: its dotted path and both (1-based) lines."""
+
+    def __init__(self, key: str, first: int, second: int) -> None:
+        super().__init__(key, first, second)
+        self.key, self.first, self.second = key, first, second
+
+    def __str__(self) -> str:
+        return (f"key {self.key!r} is given twice (line {self.first} and line {self.second}); YAML would keep "
+                f"only the second, so delete one or merge them")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping: PyYAML would keep the last one silently, so a
+    second `trainer:` section at the end of a file would drop every setting of the first."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._paths = _mapping_paths(node)  # construct_mapping sees one node, not where it sits
+        return super().construct_document(node)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        where = self._paths.get(id(node), "")
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:  # before flatten_mapping: keys merged in by `<<: *anchor` may repeat
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in first:
+                    raise DuplicateKeyError(_join(where, str(key)), first[key], line)
+                first[key] = line
+            except TypeError:  # an unhashable key: SafeConstructor's own error names it below
+                continue
+        return super().construct_mapping(node, deep)
+
+
+def _mapping_paths(root: yaml.Node) -> dict[int, str]:
+    """id(mapping node) -> its dotted key path (`trainer`, `cluster.pools.main`); the first path wins for a
+    node reached twice through an alias."""
+    paths: dict[int, str] = {}
+    todo: list[tuple[yaml.Node, str]] = [(root, "")]
+    while todo:
+        node, where = todo.pop()
+        if id(node) in paths:
+            continue
+        if isinstance(node, yaml.MappingNode):
+            paths[id(node)] = where
+            todo += [(v, _join(where, str(k.value))) for k, v in node.value if isinstance(k, yaml.ScalarNode)]
+        elif isinstance(node, yaml.SequenceNode):
+            paths[id(node)] = where
+            todo += [(v, f"{where}[{i}]") for i, v in enumerate(node.value)]
+    return paths
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load that raises DuplicateKeyError for a key given twice in one mapping."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 — a SafeLoader subclass
+
+
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """`a.b.c=value` (value parsed as YAML, so `1e-6`, `true`, `[1,2]` and `{a: 1}` work)."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. actor.optim.lr=1e-6)")
     key, _, text = item.partition("=")
     try:
-        value = yaml.safe_load(text) if text != "" else ""
+        value = load_yaml(text) if text != "" else ""
+    except DuplicateKeyError as e:
+        raise ConfigError(f"override {item!r}: key {e.key!r} is given twice in the value; keep one") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from e
     if isinstance(value, dict) and len(value) == 1 and None in value.values() and text.rstrip().endswith(":"):
@@ -172,15 +249,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if origin is typing.Literal:
         return _choice(args, value, where)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _convert(arg, value, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {tp}")
+        return _union(tp, args, value, where)
     if dataclasses.is_dataclass(tp):
         return build(tp, value, where)
     if origin in (dict, collections.abc.Mapping):
@@ -201,6 +270,50 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     return _scalar(tp, value, where)
 
 
+def _union(tp: Any, args: tuple, value: Any, where: str) -> Any:
+    if value is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1 and not _is_leaf(options[0]):
+        return _convert(options[0], value, where)  # a section's own error names the key inside it
+    for arg in options:
+        try:
+            return _convert(arg, value, where)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{where}: expected {describe_type(tp)}, got {_got(value)}")
+
+
+def _is_leaf(tp: Any) -> bool:
+    """A scalar or Literal: its own error says no more than `describe_type` does."""
+    return typing.get_origin(tp) is typing.Literal or tp in (int, float, str, bool)
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+
+
+def describe_type(tp: Any) -> str:
+    """A type as a person writes it in YAML: `float | Literal['auto']` -> "a number or 'auto'"."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        words = [describe_type(a) for a in args if a is not type(None)]
+        words += ["null"] if type(None) in args else []  # null last: "an integer or null"
+        return " or ".join(words)
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in args)
+    if origin in (dict, collections.abc.Mapping):
+        return "a mapping"
+    if origin is tuple:
+        return "a list"
+    if dataclasses.is_dataclass(tp):
+        return "a section (mapping)"
+    return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _got(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"
+
+
 def _scalar(tp: type, value: Any, where: str) -> Any:
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
@@ -210,10 +323,10 @@ def _scalar(tp: type, value: Any, where: str) -> Any:
         except ValueError:
             pass
     if tp is int and isinstance(value, bool):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        raise ConfigError(f"{where}: expected an integer, got {_got(value)}")
     if isinstance(value, tp):
         return value
-    raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{where}: expected {describe_type(tp)}, got {_got(value)}")
 
 
 def _choice(choices: tuple, value: Any, where: str) -> Any:

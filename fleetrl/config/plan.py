@@ -15,6 +15,8 @@ from fleetrl.config.checks import (
     check_env,
     check_lora,
     check_names,
+    check_ranges,
+    check_resume,
     check_sampling,
     check_share_prompts,
     did_you_mean,
@@ -177,6 +179,8 @@ class Plan:
 
 def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     """`train_prompts` (the training set's size) is needed only in epoch mode (trainer.total_steps: null)."""
+    check_ranges(cfg)
+    check_resume(cfg)
     check_names(cfg)
     fallback = _fallback_config(cfg)
     if fallback is not None:  # checked now, not at the moment a node is lost
@@ -297,6 +301,10 @@ def _map_roles(cfg: RunConfig, active: list[str]) -> dict[str, str]:
 def _pool_plan(name: str, pc: PoolConfig, roles: tuple[str, ...]) -> PoolPlan:
     if pc.nodes < 1 or pc.workers_per_node < 1:
         raise ConfigError(f"cluster.pools.{name}: nodes and workers_per_node must be >= 1")
+    for key, amount in (("cpus_per_worker", pc.cpus_per_worker), ("gpus_per_worker", pc.gpus_per_worker),
+                        *((f"resources.{k}", v) for k, v in pc.resources.items())):
+        if not amount >= 0:  # else a meaningless bundle reaches Ray placement, after the run directory exists
+            raise ConfigError(f"cluster.pools.{name}.{key} must be >= 0, got {amount}")
     if pc.cpus_per_worker <= 0 and pc.gpus_per_worker <= 0:
         raise ConfigError(f"cluster.pools.{name}: a worker needs cpus_per_worker > 0 or gpus_per_worker > 0")
     bundle = {"CPU": pc.cpus_per_worker}
@@ -335,13 +343,11 @@ def _batch_arithmetic(cfg: RunConfig, world: dict[str, int]) -> tuple[int, int, 
                               f"{dp} '{role}' workers; make algorithm.mini_batch_prompts × rollout.n a multiple "
                               f"of {dp}")
         per_rank = mini // dp
-        if micro < 1 or per_rank % micro:
+        if per_rank % micro:  # micro >= 1: check_ranges
             raise ConfigError(f"each '{role}' worker gets {per_rank} samples per mini-batch "
                               f"({mini} / {dp} workers), which is not a multiple of algorithm.micro_batch_size="
                               f"{micro}; set micro_batch_size to a divisor of {per_rank} "
                               f"(e.g. {_divisors(per_rank)})")
-    if cfg.algorithm.ppo_epochs < 1:
-        raise ConfigError(f"algorithm.ppo_epochs must be >= 1, got {cfg.algorithm.ppo_epochs}")
     return samples, mini, prompts // mini_prompts, micro
 
 

@@ -24,7 +24,7 @@ def test_unknown_key_did_you_mean():
 
 
 def test_wrong_type_names_key():
-    with pytest.raises(ConfigError, match=r"rollout.n: expected int, got str 'eight'"):
+    with pytest.raises(ConfigError, match=r"rollout.n: expected an integer, got str 'eight'"):
         load_config(None, ["rollout.n=eight"])
 
 
