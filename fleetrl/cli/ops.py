@@ -206,30 +206,32 @@ def slurm(
     config: str = typer.Argument(...), overrides: Optional[List[str]] = typer.Argument(None),
     nodes: int = typer.Option(..., "--nodes"), gpus_per_node: int = typer.Option(8, "--gpus-per-node"),
     container: Optional[str] = typer.Option(None, "--container", help="Image for pyxis (srun --container-image)."),
-    port: int = typer.Option(6379, "--port"), net_profile: Optional[str] = typer.Option("ib", "--net-profile"),
-    time: str = typer.Option("24:00:00", "--time"),
+    port: int = typer.Option(6379, "--port", min=1, max=65535),
+    net_profile: Optional[str] = typer.Option("ib", "--net-profile"), time: str = typer.Option("24:00:00", "--time"),
 ) -> None:
     """Print an sbatch script: Ray on every node, training on the head."""
-    from fleetrl.cluster.recipes import Recipe, slurm_script
+    from fleetrl.cluster.recipes import Recipe, check_config, slurm_script
 
-    typer.echo(slurm_script(Recipe(config=config, nodes=nodes, gpus_per_node=gpus_per_node,
-                                   overrides=tuple(overrides or ()), port=port, net_profile=net_profile,
-                                   container=container, time=time)), nl=False)
+    recipe = Recipe(config=config, nodes=nodes, gpus_per_node=gpus_per_node, overrides=tuple(overrides or ()),
+                    port=port, net_profile=net_profile, container=container, time=time)
+    check_config(recipe)  # before printing: a script that only fails on the cluster is worse than no script
+    typer.echo(slurm_script(recipe), nl=False)
 
 
 @_user_errors
 def dstack(
     config: str = typer.Argument(...), overrides: Optional[List[str]] = typer.Argument(None),
     nodes: int = typer.Option(..., "--nodes"), gpus_per_node: int = typer.Option(8, "--gpus-per-node"),
-    image: Optional[str] = typer.Option(None, "--image"), port: int = typer.Option(6379, "--port"),
+    image: Optional[str] = typer.Option(None, "--image"), port: int = typer.Option(6379, "--port", min=1, max=65535),
     net_profile: Optional[str] = typer.Option("ethernet", "--net-profile"),
 ) -> None:
     """Print a dstack task YAML: Ray on every node, training on the node of rank 0."""
-    from fleetrl.cluster.recipes import Recipe, dstack_task
+    from fleetrl.cluster.recipes import Recipe, check_config, dstack_task
 
-    typer.echo(dstack_task(Recipe(config=config, nodes=nodes, gpus_per_node=gpus_per_node,
-                                  overrides=tuple(overrides or ()), port=port, net_profile=net_profile,
-                                  container=image)), nl=False)
+    recipe = Recipe(config=config, nodes=nodes, gpus_per_node=gpus_per_node, overrides=tuple(overrides or ()),
+                    port=port, net_profile=net_profile, container=image)
+    check_config(recipe)  # before printing: a task that only fails on the cluster is worse than no task
+    typer.echo(dstack_task(recipe), nl=False)
 
 
 # ---------------------------------------------------------------------------------------------- rewards
@@ -240,7 +242,8 @@ def serve_reward(
                                         "id or tiny:; bodies then carry `prompts` (docs/reward_models.md)."),
     kind: str = typer.Option("scalar", "--kind", help="--model kind: scalar (sequence classifier) or judge."),
     max_length: int = typer.Option(1024, "--max-length", help="--model: tokens of (prompt, response) read."),
-    host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="0 = any free port."),
     token_file: Optional[Path] = typer.Option(None, "--token-file", help="File holding the bearer token "
                                               "(default: FLEETRL_REWARD_TOKEN); required beyond loopback."),
     token: Optional[str] = typer.Option(None, "--token", help="Bearer token (visible in `ps`: prefer "

@@ -5,13 +5,16 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.text import Text
+
+from fleetrl.cli.errors import report as report_error
+from fleetrl.errors import UserError
 
 console = Console()
-err_console = Console(stderr=True)
 
 
 def _fail(e: Exception) -> None:
-    err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True, highlight=False)
+    report_error(e)  # printed literally: messages quote paths and values full of [...] that rich reads as markup
     raise typer.Exit(2)
 
 
@@ -59,10 +62,11 @@ def sweep(
         else:
             if not config or not seeds:
                 raise ValueError("give CONFIG and --seeds, e.g. fleetrl sweep examples/quickstart.yaml --seeds 42,1337")
+            # opts: the resources are checked before the sweep directory exists (a rerun must not find it).
             sweep_dir, manifest = new_sweep(config, parse_seeds(seeds), parse_grid(list(grid or [])),
-                                            list(overrides or []), out)
+                                            list(overrides or []), out, opts)
         code = Sweep(sweep_dir, manifest, opts, console).run()
-    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
+    except (UserError, ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         _fail(e)
     console.print(f"report: fleetrl report {sweep_dir}")
     raise typer.Exit(code)
@@ -71,9 +75,11 @@ def sweep(
 def report(
     dirs: list[Path] = typer.Argument(..., help="Run directories, sweep directories, or both."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (default: DIR/report for one DIR)."),
-    compare: tuple[str, str] | None = typer.Option(None, "--compare", help="Two group labels as printed in "
-                                                      "the table: --compare advantage=rloo advantage=grpo gives "
-                                                      "A - B with its 95% CI (Welch)."),
+    # One label per flag (a label holds commas and '=' itself, and a two-value option would swallow the next
+    # flag when only one label is given).
+    compare: list[str] | None = typer.Option(None, "--compare", help="A group label as printed in the table; "
+                                              "give it twice: --compare advantage=rloo --compare advantage=grpo "
+                                              "gives A - B with its 95% CI (Welch)."),
 ) -> None:
     """Curves (each seed + mean ± 95% CI), final/best validation reward per group, PNGs and one HTML page."""
     try:
@@ -82,13 +88,26 @@ def report(
         _fail(ImportError(f"`fleetrl report` needs matplotlib and scipy ({e}); pip install 'fleetrl[report]'"))
     target = out or (dirs[0] / "report" if len(dirs) == 1 else Path("report"))
     try:
-        result = build_report(list(dirs), target, compare=tuple(compare) if compare else None)
-    except (ValueError, FileNotFoundError) as e:
+        pair = _compare_pair(compare, dirs)
+        result = build_report(list(dirs), target, compare=pair)
+    except (UserError, ValueError, FileNotFoundError) as e:
         _fail(e)
     for w in result.warnings:
-        console.print(f"[yellow]warning:[/] {w}", soft_wrap=True, highlight=False)
+        console.print(Text.assemble(("warning: ", "yellow"), w), soft_wrap=True, highlight=False)  # w literally
     console.print(result.text_summary, highlight=False, soft_wrap=True)
     console.print(f"wrote {result.html} and {len(result.pngs)} PNG(s) in {target}")
+
+
+def _compare_pair(compare: list[str] | None, dirs: list[Path]) -> tuple[str, str] | None:
+    """The two --compare labels; the old `--compare A B` form leaves B among the DIRs, which is named."""
+    if not compare:
+        return None
+    stray = [str(d) for d in dirs if not d.exists() and "=" in d.name]
+    if len(compare) != 2:
+        hint = f" ({', '.join(stray)} looks like a label given without its own --compare)" if stray else ""
+        raise ValueError(f"--compare was given {len(compare)} time(s){hint}; give exactly two group labels, one "
+                         f"per flag: --compare advantage=rloo --compare advantage=grpo")
+    return compare[0], compare[1]
 
 
 def register(app: typer.Typer) -> None:

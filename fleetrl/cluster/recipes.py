@@ -42,6 +42,15 @@ class Recipe:
         return self.name or f"fleetrl-{Path(self.config).stem}"
 
 
+def check_config(r: Recipe) -> None:
+    """Loads the run config with its overrides and derives its plan, as `fleetrl train` will on the head: a typo
+    fails here, not after the job has waited in the cluster's queue. The path is read from this directory, which
+    is also where the job runs (sbatch's submit dir; the working dir dstack uploads)."""
+    from fleetrl.config import check_plan, load_config  # config only when a recipe is printed
+
+    check_plan(load_config(r.config, list(r.overrides)))
+
+
 def slurm_script(r: Recipe) -> str:
     """An sbatch script: one srun task per node runs the node script below, which branches on SLURM_NODEID."""
     gpus = f"#SBATCH --gpus-per-node={r.gpus_per_node}\n" if r.gpus_per_node else ""

@@ -8,8 +8,8 @@ from fleetrl.config.load import (
     to_dict,
     write_config,
 )
-from fleetrl.config.plan import Plan, PoolPlan, derive_plan
+from fleetrl.config.plan import Plan, PoolPlan, check_plan, derive_plan
 from fleetrl.config.schema import RunConfig
 
-__all__ = ["ConfigError", "Plan", "PoolPlan", "RunConfig", "apply_override", "derive_plan", "dump_yaml",
-           "load_config", "redacted_dict", "to_dict", "write_config"]
+__all__ = ["ConfigError", "Plan", "PoolPlan", "RunConfig", "apply_override", "check_plan", "derive_plan",
+           "dump_yaml", "load_config", "redacted_dict", "to_dict", "write_config"]

@@ -124,6 +124,10 @@ def check_resume(cfg: RunConfig) -> None:
     if value in RESUME_KEYWORDS or (value.strip() and Path(value).exists()):
         return
     guess = difflib.get_close_matches(value.strip().lower(), RESUME_KEYWORDS, n=1)
+    if value.strip() and not guess:
+        # A path that is not here may be there: the plan is also derived where the run is prepared (a sweep, a
+        # slurm script) rather than where it resumes. find_resume names a missing checkpoint where the run starts.
+        return
     hint = f"; did you mean {guess[0]!r}?" if guess else ""
     raise ConfigError(f"trainer.resume={value!r} is neither auto, never nor an existing path{hint} (accepted: "
                       f"auto = the newest complete checkpoint in trainer.output_dir, never = start fresh, or the "

@@ -177,6 +177,13 @@ class Plan:
         }
 
 
+def check_plan(cfg: RunConfig) -> Plan:
+    """derive_plan where the run is prepared rather than run (a sweep's grid points, a slurm or dstack recipe):
+    epoch mode sizes the run from its training set, which the run reads and tokenizes when it starts, so one
+    step's prompts stand in for it and everything else is checked in milliseconds."""
+    return derive_plan(cfg, train_prompts=None if cfg.trainer.total_steps is not None else cfg.data.prompts_per_step)
+
+
 def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     """`train_prompts` (the training set's size) is needed only in epoch mode (trainer.total_steps: null)."""
     check_ranges(cfg)

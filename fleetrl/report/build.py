@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetrl.report.html import write_html
-from fleetrl.report.load import Run, assign_groups, find_runs, same_metrics
+from fleetrl.report.load import Run, assign_groups, find_runs, run_warnings, same_metrics
 from fleetrl.report.plots import pick_metrics, plot_metric, png_name
 from fleetrl.report.stats import Interval, mean_ci, welch_diff
 
@@ -33,10 +33,10 @@ class ReportResult:
 
 
 def build_report(dirs: list[Path], out: Path, compare: tuple[str, str] | None = None) -> ReportResult:
-    runs = find_runs(dirs)
+    warnings: list[str] = []
+    runs = find_runs(dirs, warnings)
     differing = assign_groups(runs)
-    warnings = [f"{r.path}/metrics.jsonl: {r.torn_lines} unreadable line(s) skipped (a killed attempt's last "
-                f"line)" for r in runs if r.torn_lines]
+    warnings += run_warnings(runs)
     groups, dup_warnings = replicate_groups(runs)
     warnings += dup_warnings
     score_key = "val/reward_mean" if any("val/reward_mean" in r.metric_keys() for r in runs) else "train/reward_mean"
@@ -56,6 +56,8 @@ def replicate_groups(runs: list[Run]) -> tuple[dict[str, list[Run]], list[str]]:
     groups: dict[str, list[Run]] = {}
     warnings = []
     for r in runs:
+        if not r.group:  # no config.yaml: run_warnings says so; its setting is unknown
+            continue
         members = groups.setdefault(r.group, [])
         twin = next((m for m in members if m.seed == r.seed), None)
         if twin is None:

@@ -71,7 +71,7 @@ def _runs_section(runs: list[Run]) -> str:
     for r in runs:
         _, rewards = r.series("train/reward_mean")
         restarts = sum(e.get("event") in ("restart", "resumed") for e in r.events)
-        rows.append([_e(r.name), _e(r.group), _e(r.seed), str(max(r.steps, default="-")),
+        rows.append([_e(r.name), _e(r.group or "— (no config.yaml)"), _e(r.seed), str(max(r.steps, default="-")),
                      f"{rewards[-1]:.3f}" if rewards else "-", str(restarts), _e(r.sweep_state or "-")])
     out = "<h2>Runs</h2>" + _table(["run", "group", "seed", "last step", "last train reward", "restarts",
                                     "sweep state"], rows, (3, 4, 5))

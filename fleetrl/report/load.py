@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from fleetrl.sweep.manifest import MANIFEST, Manifest, ManifestError, RunRecord
 from fleetrl.trainer.metric_names import is_machine_metric
 
 _SEGMENT_EVENTS = ("restart", "resumed")
@@ -35,6 +36,8 @@ class Run:
     config: dict[str, Any] = field(default_factory=dict)
     """Flattened config.yaml (`trainer.seed` -> 42)."""
     group: str = ""
+    """Label of the run's setting; "" = left out of the groups (no config.yaml to read the setting from)."""
+    has_config: bool = True
     sweep_state: str | None = None
     sweep_error: str | None = None
 
@@ -86,8 +89,11 @@ def read_metrics(path: Path) -> tuple[dict[int, dict[str, float]], list[dict], i
     return {s: r for s, (_, r) in sorted(latest.items())}, events, torn
 
 
-def find_runs(dirs: list[Path]) -> list[Run]:
-    """Each DIR is a run (holds metrics.jsonl), or a sweep/folder whose subfolders (two levels) are runs."""
+def find_runs(dirs: list[Path], warnings: list[str] | None = None) -> list[Run]:
+    """Each DIR is a run (holds metrics.jsonl), or a sweep/folder whose subfolders (two levels) are runs.
+    Problems that still leave a report to make (a damaged sweep.json) are appended to `warnings`."""
+    warnings = [] if warnings is None else warnings
+    manifests: dict[Path, dict[str, RunRecord]] = {}
     found: list[Path] = []
     for d in dirs:
         d = Path(d)
@@ -96,29 +102,57 @@ def find_runs(dirs: list[Path]) -> list[Run]:
                                     f"sweep directories")
         hits = [d] if (d / "metrics.jsonl").is_file() else sorted(
             p.parent for pattern in ("*/metrics.jsonl", "*/*/metrics.jsonl") for p in d.glob(pattern))
-        if not hits:
+        failed = _failed_before_training(d, _records(d, manifests, warnings))
+        if not hits and not failed:
             raise FileNotFoundError(f"{d}: no metrics.jsonl in it or in its subfolders; is it a run or sweep dir?")
-        found += [h for h in hits if h not in found]
-        found += [p for p in _failed_before_training(d) if p not in found]
-    runs = []
-    for path in found:
-        steps, events, torn = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else ({}, [], 0)
-        runs.append(Run(path=path, steps=steps, events=events, torn_lines=torn, config=_read_config(path)))
-    _attach_sweep_state(runs)
+        found += [p for p in [*hits, *failed] if p not in found]
+    runs = [_load_run(path) for path in found]
+    for r in runs:  # runs of a sweep carry their state and last error from its manifest (failed runs are reported)
+        rec = _records(r.path.parent, manifests, warnings).get(r.name)
+        if rec is not None:
+            r.sweep_state, r.sweep_error = rec.state, rec.error
+            if not r.has_config:  # its seed is known from the manifest even so
+                r.config = {"trainer.seed": rec.seed}
     assign_groups(runs)
     return runs
 
 
+def _load_run(path: Path) -> Run:
+    metrics = path / "metrics.jsonl"
+    steps, events, torn = read_metrics(metrics) if metrics.is_file() else ({}, [], 0)
+    return Run(path=path, steps=steps, events=events, torn_lines=torn, config=_read_config(path),
+               has_config=(path / "config.yaml").is_file())
+
+
 def assign_groups(runs: list[Run]) -> list[str]:
-    """Sets `run.group` from the config keys whose values differ between runs; returns those keys."""
-    keys = sorted({k for r in runs for k in r.config})
+    """Sets `run.group` from the config keys whose values differ between runs; returns those keys. A run without
+    config.yaml (it failed before writing one) has no setting to compare: it gets no group (see run_warnings)."""
+    known = [r for r in runs if r.has_config]
+    keys = sorted({k for r in known for k in r.config})
     differing = [k for k in keys if not k.startswith(_NOT_A_SETTING)
-                 and len({json.dumps(r.config.get(k), sort_keys=True, default=str) for r in runs}) > 1]
+                 and len({json.dumps(r.config.get(k), sort_keys=True, default=str) for r in known}) > 1]
     short = len({k.rsplit(".", 1)[-1] for k in differing}) == len(differing)
     for r in runs:
         parts = [f"{k.rsplit('.', 1)[-1] if short else k}={_show(r.config.get(k))}" for k in differing]
-        r.group = ",".join(parts) or "all runs"
+        r.group = (",".join(parts) or "all runs") if r.has_config else ""
     return differing
+
+
+def run_warnings(runs: list[Run]) -> list[str]:
+    """What a reader must know about runs that add nothing (or less than it seems) to the curves and table."""
+    out = []
+    for r in runs:
+        if not r.has_config:
+            why = f"sweep state {r.sweep_state}" + (f": {_first_line(r.sweep_error)}" if r.sweep_error else "") \
+                if r.sweep_state else "the run did not start"
+            out.append(f"{r.path}: no config.yaml ({why}); left out of the groups, curves and table")
+        elif (r.path / "metrics.jsonl").is_file() and not r.steps:
+            out.append(f"{r.path}/metrics.jsonl holds no step record (the run logged nothing yet); the run has "
+                       f"no curve and no score")
+        if r.torn_lines:
+            out.append(f"{r.path}/metrics.jsonl: {r.torn_lines} unreadable line(s) skipped (a killed attempt's "
+                       f"last line)")
+    return out
 
 
 def same_metrics(a: Run, b: Run) -> str | None:
@@ -143,25 +177,24 @@ def _read_config(path: Path) -> dict[str, Any]:
     return _flatten(yaml.safe_load(cfg.read_text()) or {})
 
 
-def _failed_before_training(sweep_dir: Path) -> list[Path]:
+def _records(sweep_dir: Path, cache: dict[Path, dict[str, RunRecord]], warnings: list[str]) -> dict[str, RunRecord]:
+    """The runs of the sweep manifest in `sweep_dir` by name ({} when there is none, or it is damaged: the run
+    directories alone still make a report, so that is a warning)."""
+    if sweep_dir not in cache:
+        cache[sweep_dir] = {}
+        if (sweep_dir / MANIFEST).is_file():
+            try:
+                cache[sweep_dir] = {r.name: r for r in Manifest.load(sweep_dir).runs}
+            except ManifestError as e:
+                warnings.append(f"{e} (the report shows the run directories without sweep states)")
+    return cache[sweep_dir]
+
+
+def _failed_before_training(sweep_dir: Path, records: dict[str, RunRecord]) -> list[Path]:
     """Runs of a sweep that failed before writing any metrics (bad input is refused before a run starts): they
     are reported as failed too."""
-    manifest = sweep_dir / "sweep.json"
-    if not manifest.is_file():
-        return []
-    return [sweep_dir / rec["name"] for rec in json.loads(manifest.read_text()).get("runs", [])
-            if rec.get("state") == "failed" and not (sweep_dir / rec["name"] / "metrics.jsonl").is_file()]
-
-
-def _attach_sweep_state(runs: list[Run]) -> None:
-    """Runs of a sweep carry their state and last error from the sweep's manifest (failed runs are reported)."""
-    for r in runs:
-        manifest = r.path.parent / "sweep.json"
-        if not manifest.is_file():
-            continue
-        for rec in json.loads(manifest.read_text()).get("runs", []):
-            if rec.get("name") == r.name:
-                r.sweep_state, r.sweep_error = rec.get("state"), rec.get("error")
+    return [sweep_dir / name for name, rec in records.items()
+            if rec.state == "failed" and not (sweep_dir / name / "metrics.jsonl").is_file()]
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -172,6 +205,10 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0]
 
 
 def _show(v: Any) -> str:

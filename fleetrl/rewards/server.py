@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetrl.config.reward_model import RewardModelConfig
+from fleetrl.rewards.errors import RewardError
 from fleetrl.rewards.registry import RewardRouter
 from fleetrl.rewards.runner import RewardRunner
 
@@ -111,7 +112,7 @@ class RewardServer:
 
             self.rm = build_scorer(opts.model, pick_device())
         else:  # "*" routes every data source to this scorer (family defaults like "math" never apply).
-            self.runner = RewardRunner(RewardRouter({"*": opts.fn}), timeout_s=opts.timeout_s,
+            self.runner = RewardRunner(_router(opts.fn), timeout_s=opts.timeout_s,
                                        default_score=opts.default_score, num_workers=opts.num_workers)
         self.opts = opts
         self.spec = opts.fn or f"model:{opts.model.path}"
@@ -252,6 +253,17 @@ class _Prefixed(io.RawIOBase):
             buf[:n], self._head = self._head[:n], self._head[n:]
             return n
         return self._conn.recv_into(buf)
+
+
+def _router(fn: str) -> RewardRouter:
+    """The router of `--fn`; its errors name the flag (the router names config keys: `rewards.sources.*`)."""
+    try:
+        return RewardRouter({"*": fn})
+    except RewardError as e:
+        raise RewardError(f"--fn {fn}: {str(e).removeprefix(_SETTING)}") from e
+
+
+_SETTING = "rewards.sources.*: "
 
 
 def serve(opts: ServeOptions) -> None:

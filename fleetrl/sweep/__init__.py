@@ -6,25 +6,29 @@ import shutil
 import time
 from pathlib import Path
 
-from fleetrl.config import load_config
-from fleetrl.sweep.manifest import Manifest, RunRecord
-from fleetrl.sweep.runner import Sweep, SweepOptions
+from fleetrl.sweep.manifest import Manifest, ManifestError, RunRecord
+from fleetrl.sweep.runner import Sweep, SweepOptions, make_allocator
 from fleetrl.sweep.spec import RunSpec, expand, parse_grid, parse_seeds
+from fleetrl.sweep.validate import check_grid_keys, validate_points
 
-__all__ = ["Manifest", "RunRecord", "RunSpec", "Sweep", "SweepOptions", "expand", "new_sweep", "parse_grid",
+__all__ = ["Manifest", "ManifestError", "RunRecord", "RunSpec", "Sweep", "SweepOptions", "expand", "new_sweep", "parse_grid",
            "parse_seeds"]
 
 
 def new_sweep(config: str, seeds: list[int], grid: dict[str, list[str]], overrides: list[str],
-              out: str | Path | None) -> tuple[Path, Manifest]:
-    """Creates the sweep dir with a copy of the base config and a manifest of queued runs."""
+              out: str | Path | None, options: SweepOptions | None = None) -> tuple[Path, Manifest]:
+    """Creates the sweep dir with a copy of the base config and a manifest of queued runs. Everything that can
+    be checked up front is checked first (grid keys, every grid point's config and plan, and, given `options`,
+    that one run fits this machine), so a mistake leaves no directory behind that a rerun would trip over."""
     src = Path(config)
     if not src.is_file():
         raise FileNotFoundError(f"config file {config!r} does not exist; pass a YAML run config "
                                 f"(see examples/quickstart.yaml)")
+    check_grid_keys(grid)
     specs = expand(seeds, grid)
-    for spec in specs:  # a typo in a key or value fails here, before any directory or run exists
-        load_config(src, [*overrides, *spec.overrides()])
+    cfgs = validate_points(src, overrides, specs)
+    if options is not None:
+        make_allocator(cfgs, options)  # raises when one run needs more GPUs/cores than this machine has
     sweep_dir = Path(out) if out else Path("sweeps") / f"{src.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if (sweep_dir / "sweep.json").exists():
         raise FileExistsError(f"{sweep_dir} already holds a sweep; continue it with `fleetrl sweep --resume "

@@ -9,12 +9,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fleetrl.errors import UserError
 from fleetrl.sweep.spec import RunSpec
 
 MANIFEST = "sweep.json"
 VERSION = 1
 # queued -> running -> finished | failed; running -> queued again on a retry; stopped = interrupted by the user.
 STATES = ("queued", "running", "finished", "failed", "stopped")
+
+
+class ManifestError(UserError, ValueError):
+    """sweep.json cannot be read; the message names the file, what is wrong and how to go on."""
 
 
 @dataclass(kw_only=True)
@@ -67,11 +72,43 @@ class Manifest:
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: --resume takes a directory made by `fleetrl sweep` "
                                     f"(its --out), which holds {MANIFEST}")
-        raw = json.loads(path.read_text())
-        if raw.get("version") != VERSION:
-            raise ValueError(f"{path}: manifest version {raw.get('version')}, this fleetrl reads {VERSION}")
-        raw["runs"] = [RunRecord(**r) for r in raw["runs"]]
-        return cls(**raw)
+        raw = _read(path)
+        try:
+            raw["runs"] = [RunRecord(**r) for r in raw["runs"]]
+            return cls(**raw)
+        except (KeyError, TypeError) as e:  # a field missing or unknown, or runs not a list of objects
+            raise _damaged(path, f"it does not hold a fleetrl sweep manifest ({_what(e)})") from None
 
     def counts(self) -> dict[str, int]:
         return {s: sum(r.state == s for r in self.runs) for s in STATES if any(r.state == s for r in self.runs)}
+
+
+def _read(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:  # e.g. edited by hand, or a disk that filled up
+        raise _damaged(path, f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _damaged(path, f"cannot be read ({e})") from None
+    if not isinstance(raw, dict):
+        raise _damaged(path, f"expected a JSON object, got {type(raw).__name__}")
+    if raw.get("version") != VERSION:
+        raise ManifestError(f"{path}: manifest version {raw.get('version')!r}, this fleetrl reads {VERSION}; "
+                            f"use the fleetrl that made the sweep, or report its runs directly: fleetrl report "
+                            f"{path.parent}")
+    return raw
+
+
+def _damaged(path: Path, what: str) -> ManifestError:
+    # The file is left as it is and the runs' own directories are untouched: nothing is lost by this error.
+    tmp = path.with_name(MANIFEST + ".tmp")
+    restore = f"restore it from {tmp} (an interrupted save) or a backup, or " if tmp.is_file() else \
+        "restore it from a backup, or "
+    return ManifestError(f"{path}: {what}; {restore}start a new sweep with another --out (each run's directory "
+                         f"under {path.parent} still holds its metrics and checkpoints)")
+
+
+def _what(e: KeyError | TypeError) -> str:
+    if isinstance(e, KeyError):
+        return f"field {e.args[0]!r} is missing"
+    return str(e).replace(".__init__()", ":")

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fleetrl.config import load_config
 from fleetrl.config.schema import RunConfig
 from fleetrl.sweep.health import Heartbeat
 from fleetrl.sweep.manifest import Manifest, RunRecord
@@ -37,6 +36,7 @@ from fleetrl.sweep.resources import (
     run_bounded,
 )
 from fleetrl.sweep.table import StatusView
+from fleetrl.sweep.validate import run_config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +70,7 @@ class Sweep:
         self.hurry = False  # a second Ctrl-C: SIGKILL without waiting out the grace
         cfgs = [self._config(r) for r in manifest.runs]  # also validates every run's config
         self.totals = {r.name: c.trainer.total_steps for r, c in zip(manifest.runs, cfgs)}
-        self.alloc = self._allocator(cfgs)
+        self.alloc = make_allocator(cfgs, options)
         self.m.options = {**self.m.options, "resources": {"gpus_per_run": self.alloc.gpus_per_run,
                                                           "cpus_per_run": self.alloc.cpus_per_run,
                                                           "max_parallel": self.alloc.max_parallel},
@@ -210,23 +210,7 @@ class Sweep:
         return [*self.m.overrides, *rec.spec.overrides(), *extra]
 
     def _config(self, rec: RunRecord) -> RunConfig:
-        cfg = load_config(self.m.config, [*self.m.overrides, *rec.spec.overrides()])
-        if cfg.cluster.address is not None:
-            raise ValueError(f"cluster.address={cfg.cluster.address}: `fleetrl sweep` starts a local Ray per run "
-                             f"on this machine; remove cluster.address (or the override) to sweep here")
-        return cfg
-
-    def _allocator(self, cfgs: list[RunConfig]) -> Allocator:
-        """One slot size for all runs: the largest any run's placement needs (a grid may change placement)."""
-        opt = self.opt
-        gpus = detect_gpus()
-        need_g = max(gpus_needed(c) for c in cfgs) if gpus else 0
-        g = opt.gpus_per_run if opt.gpus_per_run is not None else need_g
-        c = opt.cpus_per_run if opt.cpus_per_run is not None else (0 if g else max(cpus_needed(c) for c in cfgs))
-        cpus = detect_cpus()
-        per_run = [n // k for n, k in ((len(gpus), g), (len(cpus), c)) if k]
-        max_parallel = opt.max_parallel or (min(per_run) if per_run else 1)
-        return Allocator(gpus, cpus, g, c, max(1, max_parallel))
+        return run_config(self.m.config, [*self.m.overrides, *rec.spec.overrides()])
 
     def _say(self, text: str) -> None:
         self.console.print(text, highlight=False, soft_wrap=True)
@@ -238,6 +222,19 @@ class Sweep:
             if r.state == "failed":
                 self._say(f"[red]failed[/] {r.name}: {_escape((r.error or '').splitlines()[0])} "
                           f"(log: {self.dir / r.name / 'train.log'})")
+
+
+def make_allocator(cfgs: list[RunConfig], opt: SweepOptions) -> Allocator:
+    """One slot size for all runs: the largest any run's placement needs (a grid may change placement).
+    ValueError when one run needs more than this machine has."""
+    gpus = detect_gpus()
+    need_g = max(gpus_needed(c) for c in cfgs) if gpus else 0
+    g = opt.gpus_per_run if opt.gpus_per_run is not None else need_g
+    c = opt.cpus_per_run if opt.cpus_per_run is not None else (0 if g else max(cpus_needed(c) for c in cfgs))
+    cpus = detect_cpus()
+    per_run = [n // k for n, k in ((len(gpus), g), (len(cpus), c)) if k]
+    max_parallel = opt.max_parallel or (min(per_run) if per_run else 1)
+    return Allocator(gpus, cpus, g, c, max(1, max_parallel))
 
 
 def _escape(text: str) -> str:

@@ -18,6 +18,9 @@ RECIPE = Recipe(config="examples/quickstart.yaml", nodes=4, gpus_per_node=8,
                 overrides=("trainer.total_steps=3", "trainer.name=two words"), net_profile="ib")
 
 
+QUICK = "examples/quickstart.yaml"
+
+
 def _node_script(script: str) -> str:
     start = script.index("<<'FLEETRL_NODE_SCRIPT'\n") + len("<<'FLEETRL_NODE_SCRIPT'\n")
     return script[start:script.index("\nFLEETRL_NODE_SCRIPT\n")]
@@ -98,9 +101,25 @@ def test_recipe_rejects_bad_values():
 def test_cli_prints_the_recipes():
     app = typer.Typer()
     ops.register(app)
-    out = CliRunner().invoke(app, ["slurm", "c.yaml", "a=1", "--nodes", "2", "--gpus-per-node", "4"])
-    assert out.exit_code == 0 and "#SBATCH --nodes=2" in out.output and "train c.yaml a=1" in out.output
-    out = CliRunner().invoke(app, ["dstack", "c.yaml", "--nodes", "3"])
+    out = CliRunner().invoke(app, ["slurm", QUICK, "trainer.total_steps=3", "--nodes", "2", "--gpus-per-node", "4"])
+    assert out.exit_code == 0 and "#SBATCH --nodes=2" in out.output
+    assert f"train {QUICK} trainer.total_steps=3" in out.output
+    out = CliRunner().invoke(app, ["dstack", QUICK, "--nodes", "3"])
     assert out.exit_code == 0 and yaml.safe_load(out.output)["nodes"] == 3
-    out = CliRunner().invoke(app, ["slurm", "c.yaml", "--nodes", "0"])
+    out = CliRunner().invoke(app, ["slurm", QUICK, "--nodes", "0"])
     assert out.exit_code == 2 and "at least one node" in out.output
+
+
+@pytest.mark.parametrize("cmd", ["slurm", "dstack"])
+def test_cli_checks_the_config_before_printing(cmd):
+    app = typer.Typer()
+    ops.register(app)
+    out = CliRunner().invoke(app, [cmd, "nothere.yaml", "--nodes", "2"])
+    assert out.exit_code == 2 and out.output.startswith("error: config file 'nothere.yaml' does not exist")
+    out = CliRunner().invoke(app, [cmd, QUICK, "trainer.totl=1", "--nodes", "2"])
+    assert out.exit_code == 2 and out.output.startswith("error: unknown config key 'trainer.totl'")
+    # a value only the plan rejects (micro batch that does not divide the step's samples)
+    out = CliRunner().invoke(app, [cmd, QUICK, "algorithm.micro_batch_size=7", "--nodes", "2"])
+    assert out.exit_code == 2 and out.output.startswith("error: ") and "micro_batch_size" in out.output
+    out = CliRunner().invoke(app, [cmd, QUICK, "--nodes", "2", "--port", "70000"])
+    assert out.exit_code == 2 and "--port" in out.output

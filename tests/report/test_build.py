@@ -57,3 +57,21 @@ def test_compare_names_the_groups_it_knows(tmp_path):
     _run(tmp_path, "a", 1, "grpo", [0.1, 0.2, 0.3])
     with pytest.raises(ValueError, match="no group named advantage=ppo; groups are: all runs"):
         build_report([tmp_path], tmp_path / "out", compare=("advantage=ppo", "all runs"))
+
+
+def test_a_failed_run_without_config_is_left_out_and_compare_still_works(tmp_path):
+    from fleetrl.sweep.manifest import Manifest, RunRecord
+
+    for adv in ("grpo", "rloo"):
+        for seed, v in ((1, 0.5), (2, 0.7)):
+            _run(tmp_path, f"{adv}-{seed}", seed, adv, [0.1, 0.2, v - (adv == "rloo") * 0.2])
+    recs = [RunRecord(name=f"{a}-{s}", seed=s, grid={"algorithm.advantage": a}, state="finished")
+            for a in ("grpo", "rloo") for s in (1, 2)]
+    recs.append(RunRecord(name="rloo-3", seed=3, grid={"algorithm.advantage": "rloo"}, state="failed", error="boom"))
+    Manifest(config="c.yaml", overrides=[], seeds=[1, 2, 3], grid={}, runs=recs).save(tmp_path)
+    res = build_report([tmp_path], tmp_path / "out", compare=("advantage=grpo", "advantage=rloo"))
+    assert [(r.group, r.seeds) for r in res.rows] == [("advantage=grpo", [1, 2]), ("advantage=rloo", [1, 2])]
+    # finals: grpo 0.5, 0.7; rloo 0.3, 0.5 -> difference of means 0.2
+    assert abs(res.comparison[2].mean - 0.2) < 1e-12
+    assert any("rloo-3: no config.yaml (sweep state failed: boom)" in w for w in res.warnings)
+    assert "— (no config.yaml)" in res.html.read_text()

@@ -7,6 +7,7 @@ from fleetrl.report.load import (
     assign_groups,
     find_runs,
     read_metrics,
+    run_warnings,
     same_metrics,
 )
 
@@ -77,3 +78,48 @@ def test_same_metrics_ignores_timings_and_names_the_first_difference(tmp_path):
     c = Run(path=tmp_path, steps={1: {"train/reward_mean": 0.25}})
     assert same_metrics(a, b) is None
     assert same_metrics(a, c) == "step 1 train/reward_mean: 0.5 vs 0.25"
+
+
+def _sweep_with_a_failed_run(root):
+    """Two finished runs (grpo, rloo) and one that failed before writing config.yaml or metrics.jsonl."""
+    from fleetrl.sweep.manifest import Manifest, RunRecord
+
+    _run_dir(root, "advantage=grpo,seed=1", 1, "grpo", [0.1])
+    _run_dir(root, "advantage=rloo,seed=1", 1, "rloo", [0.2])
+    recs = [RunRecord(name="advantage=grpo,seed=1", seed=1, grid={"algorithm.advantage": "grpo"}, state="finished"),
+            RunRecord(name="advantage=rloo,seed=1", seed=1, grid={"algorithm.advantage": "rloo"}, state="finished"),
+            RunRecord(name="advantage=rloo,seed=2", seed=2, grid={"algorithm.advantage": "rloo"}, state="failed",
+                      error="exited with code 1\nTraceback ...")]
+    Manifest(config="c.yaml", overrides=[], seeds=[1, 2], grid={"algorithm.advantage": ["grpo", "rloo"]},
+             runs=recs).save(root)
+
+
+def test_a_run_without_config_gets_no_group_and_does_not_spoil_the_others(tmp_path):
+    _sweep_with_a_failed_run(tmp_path)
+    runs = {r.name: r for r in find_runs([tmp_path])}
+    assert {n: r.group for n, r in runs.items()} == {"advantage=grpo,seed=1": "advantage=grpo",
+                                                     "advantage=rloo,seed=1": "advantage=rloo",
+                                                     "advantage=rloo,seed=2": ""}
+    failed = runs["advantage=rloo,seed=2"]
+    assert failed.sweep_state == "failed" and failed.seed == 2  # the seed comes from the manifest
+    assert run_warnings(list(runs.values())) == [
+        f"{failed.path}: no config.yaml (sweep state failed: exited with code 1); left out of the groups, curves "
+        f"and table"]
+
+
+def test_an_empty_metrics_file_is_a_warning(tmp_path):
+    d = _run_dir(tmp_path, "a", 1, "grpo", [])
+    assert (d / "metrics.jsonl").read_text() == ""
+    runs = find_runs([tmp_path])
+    assert run_warnings(runs) == [f"{d}/metrics.jsonl holds no step record (the run logged nothing yet); the run "
+                                  f"has no curve and no score"]
+
+
+def test_a_damaged_manifest_is_a_warning_the_runs_are_still_read(tmp_path):
+    _run_dir(tmp_path, "a", 1, "grpo", [0.1])
+    (tmp_path / "sweep.json").write_text("{bad")
+    warnings = []
+    runs = find_runs([tmp_path], warnings)
+    assert [r.name for r in runs] == ["a"] and runs[0].sweep_state is None
+    assert len(warnings) == 1 and warnings[0].startswith(f"{tmp_path / 'sweep.json'}: not valid JSON")
+    assert warnings[0].endswith("(the report shows the run directories without sweep states)")

@@ -56,7 +56,7 @@ def test_six_runs_finish_and_the_report_shows_plots(six_runs, tmp_path):
     cfg = (out / "advantage=rloo,seed=1337" / "config.yaml").read_text()
     assert "seed: 1337" in cfg and "advantage: rloo" in cfg  # the run's own config records seed and grid value
 
-    rep = _cli("report", str(out), "--compare", "advantage=rloo", "advantage=grpo", timeout=120)
+    rep = _cli("report", str(out), "--compare", "advantage=rloo", "--compare", "advantage=grpo", timeout=120)
     assert rep.returncode == 0, rep.stdout + rep.stderr
     assert "advantage=rloo - advantage=grpo: final" in rep.stdout
     report = out / "report"
