@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fleetrl.checkpoint.integrity import validate_actor
 from fleetrl.config.load import build
 from fleetrl.config.schema import LoraConfig
 from fleetrl.errors import UserError
@@ -44,6 +45,9 @@ def read_meta(ckpt_dir: str | Path) -> dict:
     """meta.json of `ckpt_dir`, checked for the keys export needs."""
     ckpt_dir = Path(ckpt_dir)
     meta_path = ckpt_dir / META_FILE
+    if not ckpt_dir.exists():
+        raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} does not exist (resolved to "
+                              f"{str(ckpt_dir.absolute())!r}). {_where_checkpoints_are(ckpt_dir)}")
     if not meta_path.is_file():
         raise CheckpointError(f"{str(ckpt_dir)!r} is not a fleetrl checkpoint: it has no {META_FILE}. "
                               f"{_where_checkpoints_are(ckpt_dir)}")
@@ -104,14 +108,30 @@ def _inject_lora(model: PreTrainedModel, meta: dict, ckpt_dir: Path):  # noqa: A
                               f"the model {meta['model_path']!r}: {err}") from err
 
 
-def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None) -> Path:
+def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None, verify: bool = True) -> Path:
     """Writes checkpoint `ckpt_dir` as a HF folder loadable by `AutoModelForCausalLM/AutoTokenizer.from_pretrained`.
 
-    `dtype` (float32 | bfloat16 | float16) converts the weights; None keeps the checkpoint's dtype.
+    `dtype` (float32 | bfloat16 | float16) converts the weights; None keeps the checkpoint's dtype. `verify`
+    hashes the actor's files against checksums.json first; the trainer, exporting what it has just written and
+    hashed, skips that second read of every file.
     """
+    check_export_dtype(dtype)  # before minutes of loading
+    read_meta(ckpt_dir)  # says what a folder that is no checkpoint at all is, before the integrity check
+    # A truncated shard otherwise fails deep in DCP with an EOFError.
+    problem = validate_actor(Path(ckpt_dir)) if verify else None
+    if problem:
+        raise CheckpointError(f"cannot export checkpoint {str(ckpt_dir)!r}: {problem}; use an earlier step_N "
+                              "checkpoint")
     model, meta = load_actor_model(ckpt_dir)
     tokenizer = load_tokenizer(meta["tokenizer_path"])
     return write_hf_folder(model, tokenizer, out_dir, dtype=dtype)
+
+
+def check_export_dtype(dtype: str | None) -> None:
+    """Raises CheckpointError naming the `--dtype` flag unless `dtype` is None or a supported dtype."""
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} is not supported for export; expected one of {sorted(DTYPES)} "
+                              "(or leave --dtype out to keep the checkpoint's dtype)")
 
 
 def write_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path, *,
@@ -120,11 +140,10 @@ def write_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
 
     A `dtype` converts `model` in place (HF's `.to`), to avoid holding a second copy of the weights.
     """
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)} or None")
+    check_export_dtype(dtype)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"export target {str(out_dir)!r} is a file; pass a folder path")
+        raise CheckpointError(f"export target (--hf) {str(out_dir)!r} is a file; pass a folder path")
     out_dir.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
         model = model.to(DTYPES[dtype])

@@ -70,9 +70,9 @@ def validate_checkpoint(path: Path) -> str | None:
     """None when complete and intact; otherwise what is wrong (one line)."""
     path = Path(path)
     if not path.is_dir():
-        return "no such checkpoint directory"
+        return "does not exist" if not path.exists() else "is a file, not a checkpoint directory (step_N/)"
     if not (path / COMPLETE_MARK).is_file():
-        return f"incomplete (no {COMPLETE_MARK}; the save was interrupted)"
+        return not_a_step_dir(path) or f"incomplete (no {COMPLETE_MARK}; the save was interrupted)"
     try:
         meta = json.loads((path / COMPLETE_MARK).read_text())
         if meta.get("checksums"):
@@ -80,6 +80,46 @@ def validate_checkpoint(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, AttributeError) as e:
         return f"{COMPLETE_MARK} or {CHECKSUMS} unreadable ({type(e).__name__}: {e})"
     return _legacy_checks(path)
+
+
+def validate_actor(path: Path) -> str | None:
+    """What export relies on, of validate_checkpoint: the actor's files, against checksums.json when the save wrote
+    one, else their sizes against actor/.metadata. None when intact. A checkpoint copied without controller.pt
+    or workers/ (not needed to export) still passes."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / COMPLETE_MARK).read_text())
+        manifest_file = path / meta.get("checksums", CHECKSUMS)
+        if meta.get("checksums") and manifest_file.is_file():
+            manifest = json.loads(manifest_file.read_text())
+            actor = {rel: want for rel, want in manifest.get("files", {}).items() if rel.startswith("actor/")}
+            return verify_checksums(path, {**manifest, "files": actor})
+    except (OSError, ValueError, AttributeError) as e:
+        return f"{COMPLETE_MARK} or {CHECKSUMS} unreadable ({type(e).__name__}: {e})"
+    return _check_distcp_sizes(path, roles=("actor",))
+
+
+def run_dir_of(path: Path) -> Path | None:
+    """The run directory when `path` is one (it holds checkpoints/ or metrics.jsonl) or is its checkpoints/ folder:
+    the usual mistake when a checkpoint (RUN/checkpoints/step_N) is asked for."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
+        return path
+    if path.name == "checkpoints" and any(p.is_dir() for p in path.glob("step_*")):
+        return path.parent
+    return None
+
+
+def not_a_step_dir(path: Path) -> str | None:
+    """What to pass instead when `path` is a run directory (or its checkpoints/); None otherwise."""
+    run = run_dir_of(path)
+    if run is None:
+        return None
+    steps = sorted((int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")
+                    if p.is_dir() and p.name[5:].isdigit()))  # step_N.tmp is a save in progress, never a candidate
+    example = str(run / "checkpoints" / f"step_{steps[-1]}") + " (the latest)" if steps else "RUN/checkpoints/step_N"
+    return (f"is a run directory, not a checkpoint: pass one of its step directories, e.g. {example}"
+            + ("" if steps else "; it holds no checkpoints yet"))
 
 
 def _legacy_checks(path: Path) -> str | None:
@@ -100,9 +140,9 @@ def _legacy_checks(path: Path) -> str | None:
     return _check_distcp_sizes(path)
 
 
-def _check_distcp_sizes(path: Path) -> str | None:
+def _check_distcp_sizes(path: Path, roles: tuple[str, ...] = ("actor", "critic")) -> str | None:
     """A truncated .distcp file is shorter than the byte ranges its .metadata promises."""
-    for role_dir in ("actor", "critic"):
+    for role_dir in roles:
         meta_file = path / role_dir / ".metadata"
         if not meta_file.is_file():
             continue

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fleetrl.checkpoint.export import CheckpointError, read_meta
-from fleetrl.checkpoint.integrity import CHECKSUMS, COMPLETE_MARK, file_checksums, validate_checkpoint
+from fleetrl.checkpoint.integrity import CHECKSUMS, COMPLETE_MARK, file_checksums, run_dir_of, validate_checkpoint
 from fleetrl.config import dump_yaml, write_config
 from fleetrl.config.load import redact_yaml_text, to_dict
 from fleetrl.config.schema import RunConfig
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
     from fleetrl.cluster.group import WorkerGroup
 
 log = logging.getLogger("fleetrl.checkpoint")
-__all__ = ["CheckpointError", "Stateful", "find_resume", "load_checkpoint", "save_checkpoint", "validate_checkpoint"]
+__all__ = ["CheckpointError", "Stateful", "find_resume", "load_checkpoint", "other_model_message", "save_checkpoint",
+           "validate_checkpoint"]
 
 
 class Stateful(Protocol):
@@ -86,7 +88,14 @@ def load_checkpoint(path: Path, *, groups: Sequence["WorkerGroup"], state: Mappi
 
     saved = torch.load(path / "controller.pt", weights_only=False)
     for group in groups:
-        group.call_all(Worker.load_state, str(path))
+        try:
+            group.call_all(Worker.load_state, str(path))
+        # A worker's error, wrapped by Ray or not (DCP's own wrapper is a BaseException): torch names a shape it
+        # cannot load.
+        except (Exception, CheckpointException) as e:
+            if "size mismatch" in str(e).lower():
+                raise CheckpointError(other_model_message(path, config.model.path)) from e
+            raise
     for name, part in state.items():
         part.load_state_dict(saved[name])
     # Both sides redacted: a secret neither leaks into the log nor shows up as a change (older checkpoints
@@ -162,16 +171,27 @@ def _steps(root: Path) -> list[int]:
     return out
 
 
-def find_resume(out_dir: Path, resume: str) -> Path | None:
-    """`never` -> None; a PATH -> that checkpoint (validated); `auto` -> newest complete one, skipping broken."""
+def find_resume(out_dir: Path | None, resume: str) -> Path | None:
+    """`never` -> None; a PATH -> that checkpoint (validated); `auto` -> newest complete one in `out_dir`, skipping
+    broken ones (None when `out_dir` is None or holds none)."""
     if resume == "never":
         return None
-    if resume != "auto":
-        path = Path(resume)
-        problem = validate_checkpoint(path)
-        if problem:
-            raise CheckpointError(f"trainer.resume={resume}: {problem}")
+    return _explicit_resume(resume) if resume != "auto" else _newest_intact(out_dir)
+
+
+def _explicit_resume(resume: str) -> Path:
+    path = Path(resume)
+    problem = validate_checkpoint(path)
+    if problem is None:
         return path
+    if run_dir_of(path) is not None:  # a run directory: `auto` resumes its newest checkpoint
+        problem += f"; or resume its newest checkpoint with trainer.resume=auto trainer.output_dir={run_dir_of(path)}"
+    raise CheckpointError(f"trainer.resume={resume}: {problem}")
+
+
+def _newest_intact(out_dir: Path | None) -> Path | None:
+    if out_dir is None:
+        return None
     root = checkpoint_root(out_dir)
     problems = []
     for step in sorted(_steps(root), reverse=True):
@@ -188,3 +208,17 @@ def find_resume(out_dir: Path, resume: str) -> Path | None:
                               "trainer.output_dir (or trainer.resume=never); to resume from one of them anyway, "
                               "repair it and pass trainer.resume=PATH")
     return None
+
+
+def other_model_message(ckpt: Path, model_path: str) -> str:
+    """Why a checkpoint's weights do not fit this run's model: the names of both. Said when a worker's load finds a
+    shape that differs, not from the names: the same model may sit at another path on another machine (a job's
+    uploaded working dir, another mount), and only the shapes tell."""
+    try:
+        saved = json.loads((Path(ckpt) / COMPLETE_MARK).read_text()).get("model_path")
+    except (OSError, ValueError, AttributeError):
+        saved = None
+    trained = f"model {saved!r} (model_path in its {COMPLETE_MARK})" if isinstance(saved, str) else "another model"
+    return (f"checkpoint {ckpt} was trained from {trained}, whose weights do not fit this run's model.path="
+            f"{model_path!r} (a tensor's shape differs). Resume with the model it was trained from; to train "
+            f"{model_path!r} instead, start a new run (trainer.resume=never and a new trainer.output_dir)")

@@ -67,9 +67,10 @@ def export(checkpoint: str = typer.Argument(..., help="A checkpoint folder (OUT/
            from_deltas: bool = typer.Option(False, "--from-deltas",
                                             help="Rebuild from the base model + every delta.safetensors up to CHECKPOINT.")) -> None:
     """Write a Hugging Face model folder (config, safetensors, tokenizer) from a checkpoint."""
-    from fleetrl.checkpoint.export import export_hf
+    from fleetrl.checkpoint.export import check_export_dtype, export_hf
     from fleetrl.checkpoint.manager import export_via_deltas
 
+    check_export_dtype(dtype)  # both paths: a bad --dtype fails before the model is loaded
     out = export_via_deltas(checkpoint, hf, dtype=dtype) if from_deltas else export_hf(checkpoint, hf, dtype=dtype)
     console.print(Text(f"wrote {out}"), soft_wrap=True)
 

@@ -8,6 +8,7 @@ A model name is one of:
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -16,8 +17,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from fleetrl.errors import UserError
 from fleetrl.models import shapes, tiny
-from fleetrl.models.sources import MODEL_SOURCES, is_model_source, resolve_source
+from fleetrl.models.sources import MODEL_SOURCES, ModelSourceError, is_model_source, resolve_source
 
 TINY_PREFIX = "tiny:"
 GGUF_PREFIX = "gguf:"
@@ -32,19 +34,50 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _OFFLINE_HINT = ("if this machine has no internet access, set HF_HUB_OFFLINE=1 and use a model already in the HF "
                  "cache, or pass the path of a local folder holding config.json and the weights")
+_HUB_PROBE_S = 3.0  # bound on the one connectivity check per process (huggingface_hub itself retries for 40+ s)
+_TRUE = {"1", "true", "yes", "on"}
 
 
-def load_tokenizer(path_or_id: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """A tokenizer with a pad token and left padding (the layout Batch.prompts uses)."""
+class ModelPathError(UserError, ValueError):
+    """A model or tokenizer name that cannot be loaded; the message names the config key (model.path, ...).
+
+    Also a ValueError: callers that caught the ValueError this used to be keep working."""
+
+
+def _label(name: str, key: str | None) -> str:
+    """How a message names the value: `model.path='x'` when the caller said which key it loads, else `model path 'x'`."""
+    return f"{key}={name!r}" if key else f"model path {name!r}"
+
+
+def check_model_name(name: str, key: str) -> None:
+    """Raises ModelPathError naming `key` when `name` cannot be loaded (bad tiny: spec, missing file or folder,
+    hub id neither cached nor downloadable). Cheap: nothing is loaded. For a pre-flight before a run starts."""
+    if name.startswith(TINY_PREFIX):
+        _parse_tiny(name, key)
+    elif name.startswith((shapes.QWEN_TOKENIZER_PREFIX, shapes.RANDOM_PREFIX)):
+        return  # built in code, nothing to find on disk
+    elif is_model_source(name):
+        try:
+            _resolve(resolve_source(name), key=key)
+        except ModelSourceError as err:  # its message names the package to install, not the key
+            raise ModelPathError(f"{key}: {err}") from None
+    else:
+        _resolve(name, key=key)
+
+
+def load_tokenizer(path_or_id: str, *, trust_remote_code: bool = False,
+                   key: str | None = None) -> PreTrainedTokenizerBase:
+    """A tokenizer with a pad token and left padding (the layout Batch.prompts uses). `key`: the config key
+    `path_or_id` came from (model.tokenizer, ...), named by the error when it cannot be loaded."""
     if path_or_id.startswith(TINY_PREFIX):
-        _parse_tiny(path_or_id)  # validate the spec even though the tokenizer ignores model sizes
+        _parse_tiny(path_or_id, key)  # validate the spec even though the tokenizer ignores model sizes
         return tiny.build_tiny_tokenizer()
     if path_or_id.startswith((shapes.QWEN_TOKENIZER_PREFIX, shapes.RANDOM_PREFIX)):
         return shapes.qwen_tokenizer()  # random:qwen2.5-* models use the Qwen2.5 vocabulary
     if is_model_source(path_or_id):
         path_or_id = resolve_source(path_or_id)
-    source, kwargs = _resolve(path_or_id)
-    tokenizer = _from_pretrained(AutoTokenizer, "tokenizer", path_or_id, source,
+    source, kwargs = _resolve(path_or_id, key=key)
+    tokenizer = _from_pretrained(AutoTokenizer, "tokenizer", path_or_id, source, key=key,
                                  trust_remote_code=trust_remote_code, **kwargs)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -58,23 +91,25 @@ def load_tokenizer(path_or_id: str, *, trust_remote_code: bool = False) -> PreTr
 
 
 def load_causal_lm(
-    path_or_id: str, *, dtype: str = "float32", trust_remote_code: bool = False, gguf_file: str | None = None
+    path_or_id: str, *, dtype: str = "float32", trust_remote_code: bool = False, gguf_file: str | None = None,
+    key: str | None = None,
 ) -> PreTrainedModel:
-    """A causal LM in eval mode on CPU, weights in `dtype` (float32 | bfloat16 | float16)."""
+    """A causal LM in eval mode on CPU, weights in `dtype` (float32 | bfloat16 | float16). `key`: the config key
+    `path_or_id` came from (model.path, ...), named by the error when it cannot be loaded."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     if path_or_id.startswith(TINY_PREFIX):
-        return tiny.build_tiny_model(tiny.build_tiny_tokenizer(), **_parse_tiny(path_or_id)).to(torch_dtype)
+        return tiny.build_tiny_model(tiny.build_tiny_tokenizer(), **_parse_tiny(path_or_id, key)).to(torch_dtype)
     if path_or_id.startswith(shapes.RANDOM_PREFIX):
         return shapes.random_model(path_or_id, torch_dtype).eval()
     if is_model_source(path_or_id):
         path_or_id = resolve_source(path_or_id)
-    source, kwargs = _resolve(path_or_id, gguf_file)
+    source, kwargs = _resolve(path_or_id, gguf_file, key=key)
     if "gguf_file" in kwargs:
-        _require("accelerate", path_or_id)  # transformers loads GGUF weights through accelerate
+        _require("accelerate", path_or_id, key)  # transformers loads GGUF weights through accelerate
     dtype_kw = "dtype" if _transformers_at_least("4.56") else "torch_dtype"  # renamed in 4.56
-    model = _from_pretrained(AutoModelForCausalLM, "causal LM", path_or_id, source,
+    model = _from_pretrained(AutoModelForCausalLM, "causal LM", path_or_id, source, key=key,
                              trust_remote_code=trust_remote_code, **{dtype_kw: torch_dtype}, **kwargs)
     if "gguf_file" in kwargs:
         release_freed_memory()  # the dequantised numpy copies are garbage now; hand their pages back
@@ -99,58 +134,130 @@ def release_freed_memory(collect: bool = True) -> None:
         pass
 
 
-def _parse_tiny(spec: str) -> dict[str, object]:
+def _parse_tiny(spec: str, key: str | None = None) -> dict[str, object]:
     """`tiny:hidden=64,layers=2` -> {"hidden_size": 64, "num_layers": 2}."""
     kwargs: dict[str, object] = {}
     body = spec[len(TINY_PREFIX):].strip()
     for item in filter(None, (part.strip() for part in body.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in TINY_KEYS:
-            raise ValueError(f"bad tiny model spec {spec!r}: item {item!r} is not key=value with key one of "
-                             f"{sorted(TINY_KEYS)} (e.g. 'tiny:hidden=64,layers=2')")
-        name, kind = TINY_KEYS[key.strip()]
+        name_, sep, value = item.partition("=")
+        if not sep or name_.strip() not in TINY_KEYS:
+            raise ModelPathError(f"bad tiny model spec {_label(spec, key)}: item {item!r} is not key=value with key "
+                                 f"one of {sorted(TINY_KEYS)} (e.g. 'tiny:hidden=64,layers=2')")
+        name, kind = TINY_KEYS[name_.strip()]
         try:
             kwargs[name] = kind(value.strip())
         except ValueError:
-            raise ValueError(f"bad tiny model spec {spec!r}: {key}={value!r} is not a {kind.__name__}") from None
+            raise ModelPathError(f"bad tiny model spec {_label(spec, key)}: {name_}={value!r} is not a "
+                                 f"{kind.__name__}") from None
     return kwargs
 
 
-def _resolve(path_or_id: str, gguf_file: str | None = None) -> tuple[str, dict[str, str]]:
-    """(what to pass to from_pretrained, extra kwargs); raises ValueError for a path that cannot be loaded."""
+def _resolve(path_or_id: str, gguf_file: str | None = None, *,
+             key: str | None = None) -> tuple[str, dict[str, object]]:
+    """(what to pass to from_pretrained, extra kwargs); raises ModelPathError for a name that cannot be loaded."""
     if path_or_id.startswith(GGUF_PREFIX):
         if gguf_file is not None:
-            raise ValueError(f"{path_or_id!r} names a GGUF file already; do not also pass gguf_file={gguf_file!r}")
+            raise ModelPathError(f"{_label(path_or_id, key)} names a GGUF file already; do not also pass "
+                                 f"gguf_file={gguf_file!r}")
         file = Path(os.path.expanduser(path_or_id[len(GGUF_PREFIX):]))
         if not file.is_file():
-            raise ValueError(f"GGUF model {path_or_id!r}: no file at {str(file)!r}; expected 'gguf:PATH/TO/FILE.gguf'")
+            raise ModelPathError(f"GGUF model {_label(path_or_id, key)}: no file at {str(file.absolute())!r}; "
+                                 "expected 'gguf:PATH/TO/FILE.gguf' naming an existing file")
         path_or_id, gguf_file = str(file.parent), file.name
     if gguf_file is not None:
-        _require("gguf", path_or_id)
+        _require("gguf", path_or_id, key)
+    extra: dict[str, object] = {"gguf_file": gguf_file} if gguf_file else {}
     local = Path(os.path.expanduser(path_or_id))
     if local.exists():
-        return str(local), ({"gguf_file": gguf_file} if gguf_file else {})
+        return str(local), extra
     if not _looks_like_hub_id(path_or_id):
-        raise ValueError(f"model path {path_or_id!r} does not exist (resolved to {str(local.absolute())!r}) and is "
-                         "not a hub id like 'org/name'; expected a local folder with config.json, a hub id, "
-                         f"'tiny:', 'gguf:FILE.gguf' or a model source {sorted(MODEL_SOURCES)}")
-    return path_or_id, ({"gguf_file": gguf_file} if gguf_file else {})
+        raise ModelPathError(f"{_label(path_or_id, key)} does not exist (resolved to {str(local.absolute())!r}) "
+                             "and is not a hub id like 'org/name'; expected a local folder with config.json, a hub "
+                             f"id, 'tiny:', 'gguf:FILE.gguf' or a model source {sorted(MODEL_SOURCES)}")
+    return path_or_id, {**extra, **_hub_access(path_or_id, local, key)}
 
 
-def _from_pretrained(auto_cls: type, what: str, name: str, source: str, **kwargs: object):  # noqa: ANN202
+def _hub_access(repo_id: str, local: Path, key: str | None) -> dict[str, object]:
+    """from_pretrained kwargs for a hub id. Without this, a hub id that is not cached on a machine without network
+    costs 40+ s of huggingface_hub retries before its error; here it fails at once, saying how to provide it."""
+    cached = _in_hf_cache(repo_id)
+    offline = _hub_offline()
+    if offline and cached:
+        return {}  # huggingface_hub reads HF_HUB_OFFLINE itself
+    if not offline and _hub_reachable():
+        return {}
+    if cached:
+        return {"local_files_only": True}  # cached but the hub is unreachable: skip the update check and its retries
+    from huggingface_hub import constants
+
+    why = "HF_HUB_OFFLINE is set" if offline else f"the hub ({constants.ENDPOINT}) cannot be reached from here"
+    raise ModelPathError(
+        f"{_label(repo_id, key)} is not a local folder ({str(local.absolute())!r} does not exist) and, as a hub id, "
+        f"is not cached locally (HF cache {constants.HF_HUB_CACHE}) while {why}. Provide the model locally: set "
+        f"{key or 'the model path'} to a local folder holding config.json and the weights, or to gguf:FILE.gguf; or "
+        f"download it where the hub is reachable (`hf download {repo_id}`) into this machine's HF cache (HF_HOME) "
+        "and run with HF_HUB_OFFLINE=1")
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo_id, local_files_only=True)
+    except (OSError, ValueError):  # LocalEntryNotFoundError is an OSError; a malformed id an HFValidationError
+        return False
+    return True
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    env = (os.environ.get(v, "").strip().lower() for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(constants.HF_HUB_OFFLINE) or any(v in _TRUE for v in env)
+
+
+@functools.lru_cache(maxsize=1)
+def _hub_reachable() -> bool:
+    """One HEAD request to the hub endpoint, bounded by _HUB_PROBE_S in all (DNS included, hence the thread).
+    Through urllib, so HTTPS_PROXY is honoured like huggingface_hub honours it. Cached: asked once per process."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    answer: list[bool] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=_HUB_PROBE_S)
+            answer.append(True)
+        except urllib.error.HTTPError:  # the server answered (4xx/5xx): reachable
+            answer.append(True)
+        except (OSError, ValueError):
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True, name="fleetrl-hub-probe")
+    thread.start()
+    thread.join(_HUB_PROBE_S)
+    return bool(answer and answer[0])
+
+
+def _from_pretrained(auto_cls: type, what: str, name: str, source: str, *,  # noqa: ANN202
+                     key: str | None = None, **kwargs: object):
     try:
         return auto_cls.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:  # hub, file-format and config errors all land here
         hint = "" if Path(source).exists() else f"\nHint: {_OFFLINE_HINT}."
-        raise ValueError(f"could not load a {what} from {name!r}: {err}{hint}") from err
+        raise ModelPathError(f"could not load a {what} from {_label(name, key)}: {err}{hint}") from err
 
 
-def _require(package: str, name: str) -> None:
+def _require(package: str, name: str, key: str | None = None) -> None:
     try:
         __import__(package)
     except ImportError:
-        raise ValueError(f"loading {name!r} as GGUF needs the `{package}` package: pip install {package} "
-                         "(or pip install 'fleetrl[gguf]')") from None
+        raise ModelPathError(f"loading {_label(name, key)} as GGUF needs the `{package}` package: pip install "
+                             f"{package} (or pip install 'fleetrl[gguf]')") from None
 
 
 def _looks_like_hub_id(name: str) -> bool:

@@ -11,6 +11,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetrl.errors import UserError
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSource:
@@ -28,7 +30,7 @@ MODEL_SOURCES: dict[str, ModelSource] = {
 }
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(UserError, ValueError):
     """A model source name whose package is not installed or does not hold the expected file."""
 
 

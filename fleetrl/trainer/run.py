@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 
@@ -13,11 +14,30 @@ from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.rundir import claim_run_dir
 from fleetrl.trainer.signals import Interrupted, StopSignal
 
+if TYPE_CHECKING:
+    from fleetrl.trainer.inputs import RunInputs
+
 log = logging.getLogger("fleetrl")
 
 
 def train(config_path: str | None, overrides: list[str]) -> dict[str, float]:
-    return run_plan(plan_for(load_config(config_path, overrides)))
+    cfg = load_config(config_path, overrides)
+    check_models(cfg)  # before plan_for: in epoch mode it reads the data with the tokenizer
+    return run_plan(plan_for(cfg))
+
+
+def check_models(cfg: RunConfig) -> None:
+    """Every model and tokenizer name the run loads, checked under its config key (ModelPathError names it):
+    nothing is loaded, a hub id not cached and not downloadable fails in seconds instead of after retries."""
+    from fleetrl.models.hf import check_model_name
+
+    m, rm = cfg.model, cfg.rewards.model
+    names = {"model.path": m.path, "model.tokenizer": m.tokenizer}
+    if rm is not None:
+        names |= {"rewards.model.path": rm.path, "rewards.model.tokenizer": rm.tokenizer}
+    for key, name in names.items():
+        if name:
+            check_model_name(name, key)
 
 
 def plan_for(cfg: RunConfig) -> Plan:
@@ -30,30 +50,55 @@ def plan_for(cfg: RunConfig) -> Plan:
 
 
 def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
-    """Reads the data and checks rewards BEFORE creating the run directory or starting Ray (a bad file fails in
-    seconds and leaves nothing behind), then claims the directory, starts Ray and runs under the supervisor."""
+    """Checks the models, reads the data, checks rewards and finds the checkpoint to resume BEFORE creating the run
+    directory or starting Ray (a bad file fails in seconds and leaves nothing behind), then claims the directory,
+    starts Ray and runs under the supervisor. A start that fails before any metric or checkpoint removes the
+    directory it created."""
     # Heavy imports (torch, transformers, Ray) only after the config was validated: a bad flag fails in ~1 s.
-    from fleetrl.checkpoint.manager import find_resume
-    from fleetrl.cluster.runtime import ensure_ray
     from fleetrl.trainer.inputs import RunInputs  # the tokenizer, so transformers (~4 s of a bad flag's ~7 s)
-    from fleetrl.trainer.supervisor import Supervisor
 
     cfg = plan.config
     if out_dir is not None:
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, output_dir=str(out_dir)))
+    check_models(cfg)
     inputs = RunInputs.load(plan)
     try:
-        out, lock = claim_run_dir(cfg)
+        _resume_point(cfg)  # a broken or mismatched checkpoint fails here: no directory yet (Trainer loads it)
+        run_dir = claim_run_dir(cfg)
     except BaseException:
         inputs.scorer.close()
         raise
-    if cfg.trainer.resume != "never":
-        find_resume(out, cfg.trainer.resume)  # a broken checkpoint fails here, before config.yaml is rewritten
+    failed = True
+    try:
+        last = _run_in(plan, cfg, run_dir.path, inputs)
+        failed = False
+        return last
+    finally:
+        run_dir.release(failed=failed)
+
+
+def _resume_point(cfg: RunConfig) -> Path | None:
+    from fleetrl.checkpoint.manager import find_resume
+
+    t = cfg.trainer
+    return find_resume(Path(t.output_dir) if t.output_dir else None, t.resume)
+
+
+def _run_in(plan: Plan, cfg: RunConfig, out: Path, inputs: RunInputs) -> dict[str, float]:
+    from fleetrl.cluster.runtime import ensure_ray
+    from fleetrl.trainer.supervisor import Supervisor
+
     write_config(out / "config.yaml", cfg)  # secrets redacted, mode 0600
     tracker = Tracker(out, cfg.tracking, redacted_dict(cfg), cfg.trainer.name)
     tracker.console.print(Text(f"fleetrl run directory: {out}"), soft_wrap=True)
-    started = ensure_ray(cfg.cluster)
+    if cfg.trainer.resume == "auto" and not cfg.trainer.output_dir:
+        # A fresh timestamped directory never holds a checkpoint: without this line `auto` looks like it works.
+        tracker.say(f"trainer.resume=auto found nothing to resume: trainer.output_dir is unset, so this run got the "
+                    f"new directory {out}; to resume a run, set trainer.output_dir to its directory (e.g. "
+                    f"trainer.output_dir={out} trainer.resume=auto)", label=("notice", "yellow"))
+    started = False
     try:
+        started = ensure_ray(cfg.cluster)
         with StopSignal() as stop:
             last = Supervisor(plan, tracker, out, stop=stop, inputs=inputs).run()
         tracker.event(plan.total_steps, "finished")  # tells a complete run from one cut short (report, sweep)
@@ -65,7 +110,6 @@ def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
         raise
     finally:
         tracker.close()
-        lock.close()
         if started:
             import ray
 

@@ -4,6 +4,8 @@
   directories (created atomically with mkdir, so a collision is retried, never shared).
 - An explicit trainer.output_dir that already holds a run is refused unless trainer.resume says to continue it.
 - A lock (flock on RUN/.lock) refuses a second live run in the same directory.
+- A start that fails before the run wrote a metric or a checkpoint removes the directory it created (and an
+  existing directory it only added files to does not count as holding a run), so the same command can be rerun.
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import difflib
 import fcntl
 import os
 import secrets
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -25,9 +29,27 @@ class RunDirError(UserError):
     """The run directory cannot be used as asked; the message says why and what to set instead."""
 
 
-def claim_run_dir(cfg: RunConfig) -> tuple[Path, IO]:
-    """Creates (or re-opens, when resuming) the run directory and locks it. Returns (dir, lock handle)."""
-    out = Path(cfg.trainer.output_dir) if cfg.trainer.output_dir else _fresh(cfg)
+@dataclass
+class RunDir:
+    path: Path
+    lock: IO
+    created: bool
+    """This process made the directory, so it may remove it again."""
+
+    def release(self, *, failed: bool) -> None:
+        """Unlocks. After a failed start (`failed` and no metric or checkpoint written) removes the directory when
+        this process created it: an empty leftover would otherwise refuse the rerun ("already holds a run") or,
+        under runs/, pile up."""
+        self.lock.close()
+        if failed and self.created and not _holds_a_run(self.path):
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def claim_run_dir(cfg: RunConfig) -> RunDir:
+    """Creates (or re-opens, when resuming) the run directory and locks it."""
+    explicit = Path(cfg.trainer.output_dir) if cfg.trainer.output_dir else None
+    created = explicit is None or not explicit.exists()
+    out = explicit or _fresh(cfg)
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = open(out / ".lock", "a+")
@@ -45,7 +67,7 @@ def claim_run_dir(cfg: RunConfig) -> tuple[Path, IO]:
         lock.close()
         raise RunDirError(f"{out} already holds a run (metrics.jsonl / checkpoints); continue it with "
                           f"trainer.resume=auto, or choose another trainer.output_dir.{_config_diff(out, cfg)}")
-    return out, lock
+    return RunDir(out, lock, created)
 
 
 def _fresh(cfg: RunConfig) -> Path:
@@ -61,7 +83,9 @@ def _fresh(cfg: RunConfig) -> Path:
 
 
 def _holds_a_run(out: Path) -> bool:
-    return (out / "metrics.jsonl").is_file() or any((out / "checkpoints").glob("step_*"))
+    # An empty metrics.jsonl is what a start that failed before its first record leaves: nothing to lose.
+    metrics = out / "metrics.jsonl"
+    return (metrics.is_file() and metrics.stat().st_size > 0) or any((out / "checkpoints").glob("step_*"))
 
 
 def _config_diff(out: Path, cfg: RunConfig) -> str:

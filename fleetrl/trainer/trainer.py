@@ -264,7 +264,7 @@ class Trainer:
                 if t.export_every and self.step % t.export_every == 0:
                     from fleetrl.checkpoint.export import export_hf
 
-                    export_hf(path, self.out_dir / "hf" / f"step_{self.step}")
+                    export_hf(path, self.out_dir / "hf" / f"step_{self.step}", verify=False)
 
     def maybe_resume(self) -> None:
         from fleetrl.checkpoint.manager import find_resume, load_checkpoint

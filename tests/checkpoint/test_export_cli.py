@@ -42,7 +42,7 @@ def test_export_round_trip(tmp_path):
 
 def test_export_missing_checkpoint_is_clear(tmp_path):
     r = _export(str(tmp_path / "nope"), "--hf", str(tmp_path / "o"))
-    assert r.returncode == 2 and "meta.json" in (r.stdout + r.stderr)
+    assert r.returncode == 2 and "nope' does not exist" in (r.stdout + r.stderr)
 
 
 def test_export_from_deltas_without_deltas_is_one_line(tmp_path):
