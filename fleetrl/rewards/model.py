@@ -136,7 +136,8 @@ def build_scorer(cfg: RewardModelConfig, device: torch.device) -> RewardModel:
         from fleetrl.models.hf import load_causal_lm
         from fleetrl.rewards.judge import JudgeRewardModel
 
-        model = load_causal_lm(cfg.path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+        model = load_causal_lm(cfg.path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                               key="rewards.model.path")
         return JudgeRewardModel(model, tokenizer, template=cfg.template, max_length=cfg.max_length,
                                 max_new_tokens=cfg.max_new_tokens, micro_batch_size=cfg.micro_batch_size,
                                 score_scale=cfg.score_scale, failed_score=cfg.failed_score, device=device)

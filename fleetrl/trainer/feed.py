@@ -60,7 +60,8 @@ class PromptFeed:
 
 
 def _tokenizer(cfg: RunConfig) -> Any:
-    return load_tokenizer(cfg.model.tokenizer or cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    return load_tokenizer(cfg.model.tokenizer or cfg.model.path, trust_remote_code=cfg.model.trust_remote_code,
+                          key="model.tokenizer" if cfg.model.tokenizer else "model.path")
 
 
 def count_train_prompts(cfg: RunConfig) -> int:

@@ -25,7 +25,7 @@ from fleetrl.workers.update import run_update
 
 def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.nn.Module:
     m = ctx.cfg.model
-    model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, key="model.path")
     if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
     model = model.to(ctx.device())

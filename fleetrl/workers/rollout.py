@@ -52,7 +52,8 @@ class RolloutComponent:
     def __init__(self, ctx: WorkerContext, model: torch.nn.Module) -> None:
         self.ctx = ctx
         m = ctx.cfg.model
-        self.tokenizer = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
+        self.tokenizer = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code,
+                                        key="model.tokenizer" if m.tokenizer else "model.path")
         self.model = model
         with unsharded(model):  # FSDP2: the engine reads (and checks) the whole weights, not the shards
             self.engine = make_engine(ctx, model, self.tokenizer)
