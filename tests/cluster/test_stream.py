@@ -13,7 +13,7 @@ from fleetrl.cluster.watchdog import Call, Deadlines, StallError
 from fleetrl.config import load_config
 
 pytestmark = pytest.mark.slow
-STALL_S = 2.0
+STALL_S = 3.0  # seconds; a loaded CI box must still answer a beating worker's pings well within it
 
 
 def _worker_class(ray):
@@ -103,6 +103,7 @@ def test_a_rank_that_stops_beating_inside_a_call_is_still_stuck(ray_local):
     stream = Stream(group)
     t0 = time.monotonic()
     refs = [stream.submit(0, m.generate, 4 * STALL_S), stream.submit(1, m.freeze, 6 * STALL_S)]
-    with pytest.raises(StallError, match=r"pool 'gen' rank 1 .*made no progress"):
+    with pytest.raises(StallError, match=r"made no progress") as err:
         _wait_all(stream, refs)
+    assert "rank 1 (node" in str(err.value).splitlines()[0]  # the frozen rank is named
     assert time.monotonic() - t0 < 4 * STALL_S
