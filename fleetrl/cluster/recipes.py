@@ -48,7 +48,8 @@ def check_config(r: Recipe) -> None:
     is also where the job runs (sbatch's submit dir; the working dir dstack uploads)."""
     from fleetrl.config import check_plan, load_config  # config only when a recipe is printed
 
-    check_plan(load_config(r.config, list(r.overrides)))
+    # Secrets (${env:..}, ${file:..}) stay unresolved: they live on the head or in its job environment, not here.
+    check_plan(load_config(r.config, list(r.overrides), resolve=False))
 
 
 def slurm_script(r: Recipe) -> str:

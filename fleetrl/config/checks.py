@@ -47,7 +47,8 @@ RANGES: tuple[tuple[str, str, str], ...] = (
     ("rollout.env.timeout_s", "> 0", _SECONDS),
     ("algorithm.gamma", "in [0, 1]", ""),
     ("algorithm.lam", "in [0, 1]", ""),
-    ("algorithm.clip_low", "in [0, 1)", " (the ratio is clipped below at 1 - clip_low; typical 0.2)"),
+    ("algorithm.clip_low", "in [0, 1]", " (the ratio is clipped below at 1 - clip_low; typical 0.2, 1 = no lower "
+                                         "bound, as CISPO uses it)"),
     ("algorithm.clip_high", ">= 0", " (typical 0.2; DAPO clip-higher 0.28)"),
     ("algorithm.value_clip", "> 0", " (null = no value clipping)"),
     ("algorithm.kl.coef", ">= 0", ""),

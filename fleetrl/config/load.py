@@ -27,7 +27,10 @@ class ConfigError(UserError, ValueError):
     """A config the user wrote cannot be used; the message says which key and what to change."""
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, resolve: bool = True) -> RunConfig:
+    """The typed run config of a YAML file plus dotted overrides. `resolve=False` keeps `${env:..}` / `${file:..}`
+    references as written, for a check made where the secrets are not (a recipe printed on a laptop for a cluster
+    whose head holds them)."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -44,7 +47,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
             raise ConfigError(f"{p}: the top level must be a mapping of sections (model:, data:, ...)")
     for item in overrides:
         apply_override(raw, item)
-    return build(RunConfig, resolve_refs(raw, ""), "")
+    return build(RunConfig, resolve_refs(raw, "") if resolve else raw, "")
 
 
 def _read_text(p: Path) -> str:
@@ -78,41 +81,38 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     second `trainer:` section at the end of a file would drop every setting of the first."""
 
     def construct_document(self, node: yaml.Node) -> Any:
-        self._paths = _mapping_paths(node)  # construct_mapping sees one node, not where it sits
+        # On the tree as parsed, before anything is built: building a mapping that merges an anchor (`<<: *a`)
+        # rewrites the anchored mapping in place, so a check while building would see merged keys as repeats.
+        _check_unique_keys(node)
         return super().construct_document(node)
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        where = self._paths.get(id(node), "")
-        first: dict[Any, int] = {}
-        for key_node, _ in node.value:  # before flatten_mapping: keys merged in by `<<: *anchor` may repeat
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
-            try:
-                if key in first:
-                    raise DuplicateKeyError(_join(where, str(key)), first[key], line)
-                first[key] = line
-            except TypeError:  # an unhashable key: SafeConstructor's own error names it below
-                continue
-        return super().construct_mapping(node, deep)
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-def _mapping_paths(root: yaml.Node) -> dict[int, str]:
-    """id(mapping node) -> its dotted key path (`trainer`, `cluster.pools.main`); the first path wins for a
-    node reached twice through an alias."""
-    paths: dict[int, str] = {}
+def _check_unique_keys(root: yaml.Node) -> None:
+    """Raises DuplicateKeyError for the first mapping (by its dotted path) that gives a key twice. Keys brought in
+    by `<<: *anchor` may be given again: that is how a merge is overridden."""
+    seen: set[int] = set()
     todo: list[tuple[yaml.Node, str]] = [(root, "")]
     while todo:
         node, where = todo.pop()
-        if id(node) in paths:
+        if id(node) in seen:  # an alias reaches a node twice
             continue
+        seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
-            paths[id(node)] = where
-            todo += [(v, _join(where, str(k.value))) for k, v in node.value if isinstance(k, yaml.ScalarNode)]
+            first: dict[str, int] = {}
+            for key_node, value in node.value:
+                if key_node.tag == MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                line = key_node.start_mark.line + 1
+                if key_node.value in first:
+                    raise DuplicateKeyError(_join(where, key_node.value), first[key_node.value], line)
+                first[key_node.value] = line
+            todo += [(v, _join(where, str(k.value))) for k, v in node.value
+                     if isinstance(k, yaml.ScalarNode) and k.tag != MERGE_TAG]
         elif isinstance(node, yaml.SequenceNode):
-            paths[id(node)] = where
             todo += [(v, f"{where}[{i}]") for i, v in enumerate(node.value)]
-    return paths
 
 
 def load_yaml(text: str) -> Any:
@@ -237,6 +237,11 @@ def build(cls: type, raw: Any, where: str) -> Any:
     for key in raw:
         if key not in names:
             raise ConfigError(_unknown_key(where, key, names))
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in raw and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:  # else the dataclass's own TypeError, a traceback that names no key
+        raise ConfigError(f"{where or 'config'}: {', '.join(_join(where, m) for m in missing)} must be set (this "
+                          f"section has no default for {'it' if len(missing) == 1 else 'them'})")
     kwargs = {k: _convert(hints[k], v, _join(where, k)) for k, v in raw.items()}
     return cls(**kwargs)
 

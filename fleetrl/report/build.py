@@ -87,7 +87,7 @@ def _compare(rows: list[GroupRow], pair: tuple[str, str]) -> tuple[str, str, Int
     by = {r.group: r for r in rows}
     missing = [g for g in pair if g not in by]
     if missing:
-        raise ValueError(f"--compare {' '.join(pair)}: no group named {', '.join(missing)}; groups are: "
+        raise ValueError(f"--compare {pair[0]} --compare {pair[1]}: no group named {', '.join(missing)}; groups are: "
                          f"{', '.join(by)}")
     a, b = by[pair[0]], by[pair[1]]
     return pair[0], pair[1], welch_diff(a.finals, b.finals), welch_diff(a.bests, b.bests)

@@ -145,7 +145,7 @@ def run_warnings(runs: list[Run]) -> list[str]:
         if not r.has_config:
             why = f"sweep state {r.sweep_state}" + (f": {_first_line(r.sweep_error)}" if r.sweep_error else "") \
                 if r.sweep_state else "the run did not start"
-            out.append(f"{r.path}: no config.yaml ({why}); left out of the groups, curves and table")
+            out.append(f"{r.path}: no config.yaml ({why}); left out of the groups, curves and score table")
         elif (r.path / "metrics.jsonl").is_file() and not r.steps:
             out.append(f"{r.path}/metrics.jsonl holds no step record (the run logged nothing yet); the run has "
                        f"no curve and no score")

@@ -33,12 +33,21 @@ def validate_points(config: Path, overrides: list[str], specs: list[RunSpec]) ->
         try:
             cfgs.append(run_config(config, [*overrides, *spec.overrides()]))
         except ConfigError as e:
-            if not spec.grid:
-                raise
+            if not spec.grid or _fails_alike(config, overrides, e):
+                raise  # the base config or its overrides are wrong, whatever the grid says
             point = ",".join(f"{k}={v}" for k, v in spec.grid.items())
             raise ConfigError(f"--grid point {point} (run {spec.name}): {e}; fix or drop that value in "
                               f"--grid") from None
     return cfgs
+
+
+def _fails_alike(config: Path, overrides: list[str], error: ConfigError) -> bool:
+    """Whether the base config (no grid values) fails with the same message as a grid point did."""
+    try:
+        run_config(config, overrides)
+    except ConfigError as base:
+        return str(base) == str(error)
+    return False
 
 
 def check_grid_keys(grid: dict[str, list[str]]) -> None:

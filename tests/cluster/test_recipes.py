@@ -123,3 +123,12 @@ def test_cli_checks_the_config_before_printing(cmd):
     assert out.exit_code == 2 and out.output.startswith("error: ") and "micro_batch_size" in out.output
     out = CliRunner().invoke(app, [cmd, QUICK, "--nodes", "2", "--port", "70000"])
     assert out.exit_code == 2 and "--port" in out.output
+
+
+def test_a_secret_that_lives_on_the_head_does_not_stop_the_recipe(monkeypatch):
+    # The token is in the head's job environment, not on the machine that prints the script.
+    monkeypatch.delenv("FLEETRL_TEST_HEAD_ONLY", raising=False)
+    app = typer.Typer()
+    ops.register(app)
+    out = CliRunner().invoke(app, ["slurm", QUICK, "rewards.remote_token=${env:FLEETRL_TEST_HEAD_ONLY}", "--nodes", "2"])
+    assert out.exit_code == 0 and "#SBATCH --nodes=2" in out.output, out.output

@@ -5,10 +5,11 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 import pytest
+import yaml
 
 from fleetrl.config import ConfigError, derive_plan, load_config
 from fleetrl.config.checks import RANGES, _lookup
-from fleetrl.config.load import describe_type
+from fleetrl.config.load import describe_type, load_yaml
 from fleetrl.config.schema import EnvConfig
 
 QUICKSTART = "examples/quickstart.yaml"
@@ -71,6 +72,13 @@ def test_keys_merged_from_an_anchor_may_be_overridden(tmp_path):
     assert cfg.cluster.fallback_pools["main"].nodes == 1
 
 
+def test_a_chain_of_merges_is_not_a_duplicate():
+    # Building `c` merges `b`, which PyYAML rewrites in place with what it merged from `a`: a check made while
+    # building saw x twice in `b`. yaml.safe_load accepts this text, and so must the loader.
+    text = "defs:\n  a: &a {x: 1}\n  b: &b\n    <<: *a\n    x: 2\nc:\n  <<: *b\n"
+    assert load_yaml(text) == yaml.safe_load(text) == {"defs": {"a": {"x": 1}, "b": {"x": 2}}, "c": {"x": 2}}
+
+
 def test_a_duplicate_inside_an_override_value_is_rejected():
     with pytest.raises(ConfigError, match=r"override 'trainer=\{seed: 1, seed: 2\}': key 'seed' is given twice"):
         load_config(None, ["trainer={seed: 1, seed: 2}"])
@@ -120,8 +128,8 @@ def test_micro_batch_size_must_be_positive(value):
 
 @pytest.mark.parametrize(("override", "match"), [
     ("rollout.top_k=-3", r"rollout.top_k must be >= 0 \(0 = off\), got -3"),
-    ("algorithm.clip_low=-1", r"algorithm.clip_low must be in \[0, 1\) .*got -1.0"),
-    ("algorithm.clip_low=1", r"algorithm.clip_low must be in \[0, 1\) .*got 1.0"),
+    ("algorithm.clip_low=-1", r"algorithm.clip_low must be in \[0, 1\] .*got -1.0"),
+    ("algorithm.clip_low=1.5", r"algorithm.clip_low must be in \[0, 1\] .*got 1.5"),
     ("data.val_max_prompts=-1", r"data.val_max_prompts must be >= 1 \(null = every validation prompt\), got -1"),
     ("cluster.call_timeout_s=-5", r"cluster.call_timeout_s must be > 0 seconds, or auto, got -5.0"),
     ("rollout.top_p=0", r"rollout.top_p must be in \(0, 1\] \(1 = off\), got 0.0"),
@@ -152,6 +160,7 @@ def test_the_edges_of_each_range_are_accepted():
     plan = _plan("rollout.top_k=0", "rollout.top_p=1", "rollout.temperature=0", "algorithm.clip_low=0",
                  "cluster.call_timeout_s=auto", "data.val_max_prompts=null", "actor.optim.grad_clip=0",
                  "rewards.max_failure_rate=1", "algorithm.gamma=0", "cluster.call_timeout_s=0.5")
+    assert _plan("algorithm.policy_loss=cispo", "algorithm.clip_low=1.0").config.algorithm.clip_low == 1.0  # CISPO
     assert plan.config.rollout.top_k == 0 and plan.config.cluster.call_timeout_s == 0.5
 
 
@@ -186,3 +195,9 @@ def test_an_empty_resume_is_not_the_current_directory():
 def test_an_existing_resume_path_and_the_keywords_pass(tmp_path):
     for value in ("auto", "never", str(tmp_path)):
         assert _plan(f"trainer.resume={value}").config.trainer.resume == value
+
+
+def test_a_section_without_its_required_key_names_it():
+    # rollout.env has no default name: the dataclass alone would raise a TypeError naming no key.
+    with pytest.raises(ConfigError, match=r"^rollout.env: rollout.env.name must be set"):
+        load_config("examples/quickstart.yaml", ["rollout.env={max_turns: 2}"])

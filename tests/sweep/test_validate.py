@@ -23,6 +23,13 @@ def test_a_bad_grid_value_fails_before_the_sweep_dir_exists(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def test_a_bad_base_override_is_not_blamed_on_the_grid(tmp_path):
+    r = runner.invoke(app, ["sweep", QUICK, "algorithm.clip_low=1.5", "--seeds", "1", "--grid",
+                            "algorithm.advantage=grpo,rloo", "--out", str(tmp_path / "s")])
+    assert r.exit_code == 2 and "algorithm.clip_low must be in [0, 1]" in r.output, r.output
+    assert "--grid point" not in r.output and not (tmp_path / "s").exists()
+
+
 def test_a_grid_key_without_its_section_gets_the_full_key(tmp_path):
     r = runner.invoke(app, ["sweep", QUICK, "--seeds", "1", "--grid", "advantage=grpo,rloo",
                             "--out", str(tmp_path / "s")])
