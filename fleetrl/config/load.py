@@ -102,7 +102,7 @@ def _check_unique_keys(root: yaml.Node) -> None:
         seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
             first: dict[str, int] = {}
-            for key_node, value in node.value:
+            for key_node, _ in node.value:
                 if key_node.tag == MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
                     continue
                 line = key_node.start_mark.line + 1

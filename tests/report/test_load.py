@@ -104,7 +104,7 @@ def test_a_run_without_config_gets_no_group_and_does_not_spoil_the_others(tmp_pa
     assert failed.sweep_state == "failed" and failed.seed == 2  # the seed comes from the manifest
     assert run_warnings(list(runs.values())) == [
         f"{failed.path}: no config.yaml (sweep state failed: exited with code 1); left out of the groups, curves "
-        f"and table"]
+        f"and score table"]
 
 
 def test_an_empty_metrics_file_is_a_warning(tmp_path):
