@@ -237,6 +237,8 @@ def _bounded_client_class() -> type:
             kwargs.setdefault("timeout", (CONNECT_TIMEOUT_S, answer_s))
             try:
                 return super()._do_request(method, endpoint, **kwargs)
+            except requests.ConnectTimeout:  # also a ConnectionError: "cannot reach ... use an SSH tunnel" fits
+                raise
             except requests.Timeout as e:
                 raise TimeoutError(f"the Ray job API at {self._address} did not answer {method} {endpoint} within "
                                    f"{kwargs['timeout']}s (connect, answer). Is the head frozen or overloaded? "

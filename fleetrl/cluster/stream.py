@@ -71,6 +71,7 @@ class Stream:
 
     def _collect(self, ref: Any) -> Any:
         call = self.pending.pop(ref)
+        seen = ref in self.finished
         self.finished.discard(ref)
         try:
             out, seconds = ray.get(ref)
@@ -78,7 +79,8 @@ class Stream:
             raise WorkerLostError(f"pool '{self.group.pool.name}': a worker died: {e}") from e
         now = time.monotonic()
         self.group.deadlines.record(call.verb, seconds)
-        self.last_done[call.rank] = self.last_move[call.rank] = now
+        if not seen:  # one seen finished earlier moved its rank's clocks then: the next call is running since
+            self.last_done[call.rank] = self.last_move[call.rank] = now
         self.busy_s[call.rank] += seconds
         return out
 

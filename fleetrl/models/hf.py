@@ -34,7 +34,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _OFFLINE_HINT = ("if this machine has no internet access, set HF_HUB_OFFLINE=1 and use a model already in the HF "
                  "cache, or pass the path of a local folder holding config.json and the weights")
-_HUB_PROBE_S = 3.0  # bound on the one connectivity check per process (huggingface_hub itself retries for 40+ s)
+# Bound on the one connectivity check per process (huggingface_hub itself retries for 40+ s); DNS included, and
+# some container resolvers take 5 s before they answer.
+_HUB_PROBE_S = 10.0
 _TRUE = {"1", "true", "yes", "on"}
 
 
@@ -220,6 +222,7 @@ def _hub_offline() -> bool:
 def _hub_reachable() -> bool:
     """One HEAD request to the hub endpoint, bounded by _HUB_PROBE_S in all (DNS included, hence the thread).
     Through urllib, so HTTPS_PROXY is honoured like huggingface_hub honours it. Cached: asked once per process."""
+    import ssl
     import threading
     import urllib.error
     import urllib.request
@@ -234,6 +237,10 @@ def _hub_reachable() -> bool:
             answer.append(True)
         except urllib.error.HTTPError:  # the server answered (4xx/5xx): reachable
             answer.append(True)
+        except urllib.error.URLError as e:
+            # A TLS failure means a server answered: huggingface_hub trusts more certificate stores than urllib
+            # (the system's, through its own client), so only a failure to connect at all counts as unreachable.
+            answer.append(isinstance(e.reason, ssl.SSLError))
         except (OSError, ValueError):
             answer.append(False)
 

@@ -148,7 +148,8 @@ class RemoteRewardClient:
         threading.Thread(target=post, daemon=True, name="fleetrl-reward-post").start()
         # requests' read timeout bounds each socket read, not the answer: a peer (a proxy, a third-party server)
         # that trickles its body, or answers /health while /score never completes, would hold the call forever.
-        deadline = time.monotonic() + self.timeout_s + 2 * self.connect_timeout_s
+        # Twice timeout_s: this clock also runs while a large batch uploads, which the read timeout does not count.
+        deadline = time.monotonic() + 2 * (self.timeout_s + self.connect_timeout_s)
         misses = 0
         while not done.wait(self.connect_timeout_s):
             misses = 0 if self._answers(url) else misses + 1
@@ -156,8 +157,8 @@ class RemoteRewardClient:
                 raise _Frozen(f"stopped answering /health while scoring ({HEALTH_MISSES} checks of "
                               f"{self.connect_timeout_s:g}s, rewards.remote_connect_timeout_s)")
             if time.monotonic() > deadline:
-                raise _Frozen(f"gave no complete answer to /score within rewards.remote_timeout_s={self.timeout_s:g}s "
-                              f"(+ {2 * self.connect_timeout_s:g}s to connect), though it answers /health")
+                raise _Frozen(f"gave no complete answer to /score within 2 x (rewards.remote_timeout_s={self.timeout_s:g}s"
+                              f" + {self.connect_timeout_s:g}s to connect), though it answers /health")
         if "error" in box:
             raise box["error"]
         return box["body"]

@@ -37,12 +37,13 @@ class RunDir:
     """This process made the directory, so it may remove it again."""
 
     def release(self, *, failed: bool) -> None:
-        """Unlocks. After a failed start (`failed` and no metric or checkpoint written) removes the directory when
-        this process created it: an empty leftover would otherwise refuse the rerun ("already holds a run") or,
-        under runs/, pile up."""
-        self.lock.close()
-        if failed and self.created and not _holds_a_run(self.path):
+        """Unlocks. After a failed start removes the directory when this process created it and it holds only
+        what the start wrote (no metric, checkpoint, stall dump or tracker log): an empty leftover would otherwise
+        refuse the rerun ("already holds a run") or, under runs/, pile up. Removed before the lock is let go, so
+        no other run can claim it in between."""
+        if failed and self.created and _only_start_up_files(self.path):
             shutil.rmtree(self.path, ignore_errors=True)
+        self.lock.close()
 
 
 def claim_run_dir(cfg: RunConfig) -> RunDir:
@@ -80,6 +81,19 @@ def _fresh(cfg: RunConfig) -> Path:
         except FileExistsError:
             continue
     raise RunDirError("could not create a unique run directory under runs/; set trainer.output_dir")
+
+
+# What a run writes before its first step: the lock, the resolved config, an empty metrics log, TensorBoard's
+# first event file. Anything else (stalls/ with the stacks a StallError points to, wandb/, checkpoints) is kept.
+START_UP_FILES = frozenset({".lock", "config.yaml", "metrics.jsonl", "tensorboard"})
+
+
+def _only_start_up_files(out: Path) -> bool:
+    try:
+        names = {p.name for p in out.iterdir()}
+    except OSError:
+        return False
+    return names <= START_UP_FILES and not _holds_a_run(out)
 
 
 def _holds_a_run(out: Path) -> bool:

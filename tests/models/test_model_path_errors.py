@@ -1,6 +1,9 @@
 """Model names that cannot be loaded are a ModelPathError (a UserError: one `error:` line in the CLI) naming the
 config key they came from; a hub id that is neither cached nor downloadable fails at once, not after retries."""
+import socket
+import ssl
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -105,5 +108,23 @@ def test_hub_probe_is_bounded(monkeypatch):
         start = time.monotonic()
         assert hf._hub_reachable() is False
         assert time.monotonic() - start < 1
+    finally:
+        hf._hub_reachable.cache_clear()
+
+
+@pytest.mark.parametrize("error, reachable", [
+    (urllib.error.URLError(ssl.SSLCertVerificationError("self-signed certificate")), True),  # a server answered
+    (urllib.error.URLError(ConnectionRefusedError(111, "refused")), False),
+    (urllib.error.URLError(socket.gaierror(-3, "Temporary failure in name resolution")), False),
+])
+def test_only_a_failure_to_connect_counts_as_unreachable(monkeypatch, error, reachable):
+    # urllib trusts fewer certificate stores than huggingface_hub's own client: a TLS failure is not "offline".
+    def urlopen(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    hf._hub_reachable.cache_clear()
+    try:
+        assert hf._hub_reachable() is reachable
     finally:
         hf._hub_reachable.cache_clear()

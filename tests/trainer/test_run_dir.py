@@ -119,3 +119,13 @@ def test_auto_resume_without_output_dir_says_it_cannot_resume(tmp_path, monkeypa
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert out.count("trainer.resume=auto found nothing to resume") == 1
     assert f"trainer.output_dir is unset, so this run got the new directory runs/{run_dir.name}" in out
+
+
+def test_a_failed_start_keeps_the_stall_dumps_its_error_points_to(tmp_path):
+    cfg = _cfg(f"trainer.output_dir={tmp_path / 'run'}")
+    run_dir = claim_run_dir(cfg)
+    (run_dir.path / "metrics.jsonl").touch()
+    (run_dir.path / "stalls" / "step_0").mkdir(parents=True)
+    (run_dir.path / "stalls" / "step_0" / "rollout_r0.txt").write_text("Thread 1 ...")
+    run_dir.release(failed=True)
+    assert (run_dir.path / "stalls" / "step_0" / "rollout_r0.txt").is_file()
