@@ -144,7 +144,11 @@ def submit(
     the cluster it is submitted to (cluster.address=auto) unless the config names an address."""
     from fleetrl.cluster.jobs import env_from_args, secret_env_names
     from fleetrl.cluster.jobs import submit as submit_job
+    from fleetrl.config import check_plan, load_config
 
+    # Checked here, as `fleetrl train` will check it on the head: a typo then costs a second, not an upload and a
+    # failed job. Secrets (${env:..}, ${file:..}) stay unresolved: they may live only on the head.
+    check_plan(load_config(working_dir / config, list(overrides or []), resolve=False))
     env_vars = env_from_args(env or [])
     secret = secret_env_names(env_vars)
     if secret:

@@ -170,14 +170,17 @@ def test_secret_override_is_refused_but_a_reference_passes():
 @SLOW
 def test_submit_runs_fleetrl_train_on_the_cluster(head):
     token_file = str(head["root"] / "token")
-    result = _cli("submit", "missing.yaml", "trainer.total_steps=1", "--address", head["url"], "--working-dir",
-                  str(head["workdir"]), "--env", f"PYTHONPATH={REPO}", "--token-file", token_file)
+    # A config that passes the local check (submit checks the plan) but names a data file that is not uploaded.
+    shutil.copy(REPO / "examples" / "quickstart.yaml", head["workdir"] / "run.yaml")
+    result = _cli("submit", "run.yaml", "trainer.total_steps=1", "data.train=missing.jsonl", "--address", head["url"],
+                  "--working-dir", str(head["workdir"]), "--env", f"PYTHONPATH={REPO}", "--token-file", token_file)
     assert result.exit_code == 0, result.output
     job_id = result.output.strip().splitlines()[-1]
     info = _wait(head, job_id, TERMINAL, timeout=180)  # `fleetrl train` imports torch first: slow on a busy box
-    assert info.entrypoint == "python -m fleetrl.cli.main train missing.yaml trainer.total_steps=1 cluster.address=auto"
-    # `fleetrl train` itself ran on the cluster and rejected the config path it was given.
-    assert "missing.yaml" in jobs.job_logs(head["url"], job_id, head["token"])
+    assert info.entrypoint == ("python -m fleetrl.cli.main train run.yaml trainer.total_steps=1 "
+                               "data.train=missing.jsonl cluster.address=auto")
+    # `fleetrl train` itself ran on the cluster and rejected the data file it was given.
+    assert "missing.jsonl" in jobs.job_logs(head["url"], job_id, head["token"])
     listed = _cli("jobs", "list", "--address", head["url"], "--token-file", token_file)
     assert job_id in listed.output
 
@@ -280,3 +283,12 @@ def test_follow_returns_at_the_end_of_the_stream():
     chunks: list[str] = []
     asyncio.run(jobs.follow_logs(gen(), lambda: pytest.fail("no silence, no status call"), chunks, io.StringIO()))
     assert chunks == ["x"]
+
+
+def test_submit_checks_the_config_before_contacting_the_cluster(tmp_path):
+    # The address answers nothing: a config mistake must be reported without reaching for it.
+    shutil.copy(REPO / "examples" / "quickstart.yaml", tmp_path / "run.yaml")
+    r = _cli("submit", "run.yaml", "trainer.totl=1", "--working-dir", str(tmp_path), "--address", "http://127.0.0.1:9")
+    assert r.exit_code == 2 and r.output.startswith("error: unknown config key 'trainer.totl'"), r.output
+    r = _cli("submit", "nothere.yaml", "--working-dir", str(tmp_path), "--address", "http://127.0.0.1:9")
+    assert r.exit_code == 2 and "does not exist" in r.output, r.output
