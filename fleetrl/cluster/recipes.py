@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from fleetrl.cluster.netenv import PROFILES
+from fleetrl.config.plan import PoolPlan
 
 FLEETRL = "python -m fleetrl.cli.main"  # works from a checkout without the console script installed
 
@@ -49,7 +50,32 @@ def check_config(r: Recipe) -> None:
     from fleetrl.config import check_plan, load_config  # config only when a recipe is printed
 
     # Secrets (${env:..}, ${file:..}) stay unresolved: they live on the head or in its job environment, not here.
-    check_plan(load_config(r.config, list(r.overrides), resolve=False))
+    plan = check_plan(load_config(r.config, list(r.overrides), resolve=False))
+    check_gpus_fit(list(plan.pools.values()), r.nodes, r.gpus_per_node)
+
+
+def check_gpus_fit(pools: list[PoolPlan], nodes: int, gpus_per_node: int) -> None:
+    """The pools' GPUs on `nodes` nodes of `gpus_per_node` GPUs, first fit, each node of a pool a distinct node
+    (as placement packs them): a plan that cannot fit would otherwise wait in the queue, then in placement. Only
+    GPUs are known here; a node's CPUs and memory are the scheduler's to say."""
+    free = [float(gpus_per_node)] * nodes
+    for pool in sorted(pools, key=lambda p: -_gpus_per_node(p)):
+        need, placed = _gpus_per_node(pool), 0
+        for i in range(nodes):
+            if placed == pool.nodes or need == 0:
+                break
+            if free[i] + 1e-9 >= need:
+                free[i] -= need
+                placed += 1
+        if need and placed < pool.nodes:
+            raise ValueError(f"pool '{pool.name}' asks for {pool.nodes} node(s) with {need:g} GPU(s) each, but --nodes "
+                             f"{nodes} x --gpus-per-node {gpus_per_node} leaves room for {placed} (other pools "
+                             f"placed first); raise --nodes or --gpus-per-node, or lower cluster.pools.{pool.name}."
+                             f"nodes / workers_per_node / gpus_per_worker")
+
+
+def _gpus_per_node(pool: PoolPlan) -> float:
+    return pool.bundle.get("GPU", 0.0) * pool.bundles_per_node
 
 
 def slurm_script(r: Recipe) -> str:

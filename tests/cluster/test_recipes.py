@@ -132,3 +132,28 @@ def test_a_secret_that_lives_on_the_head_does_not_stop_the_recipe(monkeypatch):
     ops.register(app)
     out = CliRunner().invoke(app, ["slurm", QUICK, "rewards.remote_token=${env:FLEETRL_TEST_HEAD_ONLY}", "--nodes", "2"])
     assert out.exit_code == 0 and "#SBATCH --nodes=2" in out.output, out.output
+
+
+SPLIT_16_8 = ("cluster.pools={train: {nodes: 2, workers_per_node: 8, gpus_per_worker: 1}, "
+              "gen: {nodes: 1, workers_per_node: 8, gpus_per_worker: 1}}", "cluster.roles={actor: train, rollout: gen}")
+
+
+@pytest.mark.parametrize("nodes, gpus, fits", [(3, 8, True), (2, 8, False), (3, 4, False), (4, 8, True)])
+def test_the_plans_gpus_must_fit_the_nodes_asked_for(nodes, gpus, fits):
+    # train: 2 nodes x 8 GPUs, gen: 1 node x 8 GPUs, each pool node on its own machine: 3 nodes of 8 GPUs.
+    app = typer.Typer()
+    ops.register(app)
+    out = CliRunner().invoke(app, ["slurm", QUICK, *SPLIT_16_8, "--nodes", str(nodes), "--gpus-per-node", str(gpus)])
+    if fits:
+        assert out.exit_code == 0 and f"#SBATCH --nodes={nodes}" in out.output, out.output
+    else:
+        assert out.exit_code == 2 and out.output.startswith("error: pool '"), out.output
+        assert "raise --nodes or --gpus-per-node" in out.output
+
+
+def test_pools_without_gpus_fit_a_cpu_cluster():
+    from fleetrl.cluster.recipes import check_gpus_fit
+    from fleetrl.config import check_plan, load_config
+
+    plan = check_plan(load_config(QUICK, []))
+    check_gpus_fit(list(plan.pools.values()), nodes=1, gpus_per_node=0)  # the quickstart asks for no GPU
