@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fleetrl.checkpoint.integrity import validate_actor
+from fleetrl.checkpoint.integrity import validate_checkpoint
 from fleetrl.config.load import build
 from fleetrl.config.schema import LoraConfig
 from fleetrl.errors import UserError
@@ -118,7 +118,7 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str | None = 
     check_export_dtype(dtype)  # before minutes of loading
     read_meta(ckpt_dir)  # says what a folder that is no checkpoint at all is, before the integrity check
     # A truncated shard otherwise fails deep in DCP with an EOFError.
-    problem = validate_actor(Path(ckpt_dir)) if verify else None
+    problem = validate_checkpoint(Path(ckpt_dir), only="actor") if verify else None
     if problem:
         raise CheckpointError(f"cannot export checkpoint {str(ckpt_dir)!r}: {problem}; use an earlier step_N "
                               "checkpoint")

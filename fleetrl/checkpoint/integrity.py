@@ -66,8 +66,9 @@ def verify_checksums(ckpt: Path, manifest: dict) -> str | None:
     return None
 
 
-def validate_checkpoint(path: Path) -> str | None:
-    """None when complete and intact; otherwise what is wrong (one line)."""
+def validate_checkpoint(path: Path, *, only: str | None = None) -> str | None:
+    """None when complete and intact; otherwise what is wrong (one line). `only` ("actor"): check just that role's
+    files, which is all export reads, so a checkpoint copied without controller.pt or workers/ still exports."""
     path = Path(path)
     if not path.is_dir():
         return "does not exist" if not path.exists() else "is a file, not a checkpoint directory (step_N/)"
@@ -76,27 +77,14 @@ def validate_checkpoint(path: Path) -> str | None:
     try:
         meta = json.loads((path / COMPLETE_MARK).read_text())
         if meta.get("checksums"):
-            return verify_checksums(path, json.loads((path / meta["checksums"]).read_text()))
+            manifest = json.loads((path / meta["checksums"]).read_text())
+            if only is not None:
+                files = manifest.get("files", {})
+                manifest = {**manifest, "files": {r: w for r, w in files.items() if r.startswith(f"{only}/")}}
+            return verify_checksums(path, manifest)
     except (OSError, ValueError, KeyError, AttributeError) as e:
         return f"{COMPLETE_MARK} or {CHECKSUMS} unreadable ({type(e).__name__}: {e})"
-    return _legacy_checks(path)
-
-
-def validate_actor(path: Path) -> str | None:
-    """What export relies on, of validate_checkpoint: the actor's files, against checksums.json when the save wrote
-    one, else their sizes against actor/.metadata. None when intact. A checkpoint copied without controller.pt
-    or workers/ (not needed to export) still passes."""
-    path = Path(path)
-    try:
-        meta = json.loads((path / COMPLETE_MARK).read_text())
-        manifest_file = path / meta.get("checksums", CHECKSUMS)
-        if meta.get("checksums") and manifest_file.is_file():
-            manifest = json.loads(manifest_file.read_text())
-            actor = {rel: want for rel, want in manifest.get("files", {}).items() if rel.startswith("actor/")}
-            return verify_checksums(path, {**manifest, "files": actor})
-    except (OSError, ValueError, AttributeError) as e:
-        return f"{COMPLETE_MARK} or {CHECKSUMS} unreadable ({type(e).__name__}: {e})"
-    return _check_distcp_sizes(path, roles=("actor",))
+    return _legacy_checks(path) if only is None else _check_distcp_sizes(path, roles=(only,))
 
 
 def run_dir_of(path: Path) -> Path | None:

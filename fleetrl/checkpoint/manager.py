@@ -184,8 +184,9 @@ def _explicit_resume(resume: str) -> Path:
     problem = validate_checkpoint(path)
     if problem is None:
         return path
-    if run_dir_of(path) is not None:  # a run directory: `auto` resumes its newest checkpoint
-        problem += f"; or resume its newest checkpoint with trainer.resume=auto trainer.output_dir={run_dir_of(path)}"
+    run = run_dir_of(path)
+    if run is not None:  # a run directory: `auto` resumes its newest checkpoint
+        problem += f"; or resume its newest checkpoint with trainer.resume=auto trainer.output_dir={run}"
     raise CheckpointError(f"trainer.resume={resume}: {problem}")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterator
 
 import ray
 
@@ -114,15 +114,19 @@ class Stream:
             self.finished.add(ref)
             rank = self.pending[ref].rank
             self.last_done[rank] = self.last_move[rank] = now
-        return sorted({p.rank for r, p in self.pending.items() if r not in self.finished})
+        return sorted({p.rank for p in self._unfinished()})
+
+    def _unfinished(self) -> Iterator[_Pending]:
+        """Pending calls not seen finished (running, or queued behind one), in submission order."""
+        return (p for r, p in self.pending.items() if r not in self.finished)
 
     def _has_pending(self, rank: int) -> bool:
         """Whether the rank has a call not seen finished (one running, or queued behind it)."""
-        return any(p.rank == rank and r not in self.finished for r, p in self.pending.items())
+        return any(p.rank == rank for p in self._unfinished())
 
     def _head(self, rank: int) -> _Pending:
         """The rank's running call: its first pending one not seen finished."""
-        return next(p for r, p in self.pending.items() if p.rank == rank and r not in self.finished)
+        return next(p for p in self._unfinished() if p.rank == rank)
 
     def _head_start(self, rank: int) -> float:
         return max(self._head(rank).submitted, self.last_done[rank])

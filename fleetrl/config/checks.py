@@ -1,6 +1,6 @@
 """The config checks: the plain numeric ranges in one table (RANGES), then those that need more than one key or
-a registry. Each raises ConfigError naming the keys, the value and the fix. `derive_plan` (plan.py) runs them once, before it derives any number; split out to keep plan.py to
-the derivation itself.
+a registry. Each raises ConfigError naming the keys, the value and the fix. `derive_plan` (plan.py) runs them
+once, before it derives any number; split out to keep plan.py to the derivation itself.
 """
 from __future__ import annotations
 

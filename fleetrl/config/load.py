@@ -102,15 +102,14 @@ def _check_unique_keys(root: yaml.Node) -> None:
         seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
             first: dict[str, int] = {}
-            for key_node, _ in node.value:
+            for key_node, value in node.value:
                 if key_node.tag == MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
                     continue
                 line = key_node.start_mark.line + 1
                 if key_node.value in first:
                     raise DuplicateKeyError(_join(where, key_node.value), first[key_node.value], line)
                 first[key_node.value] = line
-            todo += [(v, _join(where, str(k.value))) for k, v in node.value
-                     if isinstance(k, yaml.ScalarNode) and k.tag != MERGE_TAG]
+                todo.append((value, _join(where, key_node.value)))
         elif isinstance(node, yaml.SequenceNode):
             todo += [(v, f"{where}[{i}]") for i, v in enumerate(node.value)]
 

@@ -17,6 +17,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from fleetrl.config.schema import ModelConfig
 from fleetrl.errors import UserError
 from fleetrl.models import shapes, tiny
 from fleetrl.models.sources import MODEL_SOURCES, ModelSourceError, is_model_source, resolve_source
@@ -90,6 +91,12 @@ def load_tokenizer(path_or_id: str, *, trust_remote_code: bool = False,
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def load_run_tokenizer(m: ModelConfig) -> PreTrainedTokenizerBase:
+    """The run's tokenizer: model.tokenizer when set, else model.path's, named by that key when it cannot load."""
+    key = "model.tokenizer" if m.tokenizer else "model.path"
+    return load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code, key=key)
 
 
 def load_causal_lm(
@@ -182,14 +189,12 @@ def _resolve(path_or_id: str, gguf_file: str | None = None, *,
 def _hub_access(repo_id: str, local: Path, key: str | None) -> dict[str, object]:
     """from_pretrained kwargs for a hub id. Without this, a hub id that is not cached on a machine without network
     costs 40+ s of huggingface_hub retries before its error; here it fails at once, saying how to provide it."""
-    cached = _in_hf_cache(repo_id)
     offline = _hub_offline()
-    if offline and cached:
-        return {}  # huggingface_hub reads HF_HUB_OFFLINE itself
     if not offline and _hub_reachable():
         return {}
-    if cached:
-        return {"local_files_only": True}  # cached but the hub is unreachable: skip the update check and its retries
+    if _in_hf_cache(repo_id):
+        # Offline: huggingface_hub reads HF_HUB_OFFLINE itself. Unreachable: skip the update check and its retries.
+        return {} if offline else {"local_files_only": True}
     from huggingface_hub import constants
 
     why = "HF_HUB_OFFLINE is set" if offline else f"the hub ({constants.ENDPOINT}) cannot be reached from here"

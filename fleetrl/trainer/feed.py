@@ -8,7 +8,7 @@ from fleetrl.batch import Batch
 from fleetrl.config.plan import Plan
 from fleetrl.config.schema import RunConfig
 from fleetrl.data.mixture import MixtureDataset, load_dataset
-from fleetrl.models.hf import load_tokenizer
+from fleetrl.models.hf import load_run_tokenizer
 
 
 class PromptFeed:
@@ -60,8 +60,7 @@ class PromptFeed:
 
 
 def _tokenizer(cfg: RunConfig) -> Any:
-    return load_tokenizer(cfg.model.tokenizer or cfg.model.path, trust_remote_code=cfg.model.trust_remote_code,
-                          key="model.tokenizer" if cfg.model.tokenizer else "model.path")
+    return load_run_tokenizer(cfg.model)
 
 
 def count_train_prompts(cfg: RunConfig) -> int:

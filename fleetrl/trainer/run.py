@@ -21,9 +21,7 @@ log = logging.getLogger("fleetrl")
 
 
 def train(config_path: str | None, overrides: list[str]) -> dict[str, float]:
-    cfg = load_config(config_path, overrides)
-    check_models(cfg)  # before plan_for: in epoch mode it reads the data with the tokenizer
-    return run_plan(plan_for(cfg))
+    return run_plan(plan_for(load_config(config_path, overrides)))
 
 
 def check_models(cfg: RunConfig) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from fleetrl.batch import Batch
 from fleetrl.engines.protocol import RolloutEngine, SamplingParams
-from fleetrl.models.hf import load_tokenizer
+from fleetrl.models.hf import load_run_tokenizer
 from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.messages import GenerateRequest
 
@@ -52,8 +52,7 @@ class RolloutComponent:
     def __init__(self, ctx: WorkerContext, model: torch.nn.Module) -> None:
         self.ctx = ctx
         m = ctx.cfg.model
-        self.tokenizer = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code,
-                                        key="model.tokenizer" if m.tokenizer else "model.path")
+        self.tokenizer = load_run_tokenizer(m)
         self.model = model
         with unsharded(model):  # FSDP2: the engine reads (and checks) the whole weights, not the shards
             self.engine = make_engine(ctx, model, self.tokenizer)
