@@ -46,9 +46,9 @@ def sweep(
         Manifest,
         Sweep,
         SweepOptions,
-        new_sweep,
         parse_grid,
         parse_seeds,
+        start_sweep,
     )
 
     opts = SweepOptions(gpus_per_run=gpus_per_run, cpus_per_run=cpus_per_run, max_parallel=max_parallel,
@@ -58,17 +58,17 @@ def sweep(
             if config or seeds or grid:
                 raise ValueError("--resume takes the config, seeds and grid from the sweep's manifest; drop "
                                  "CONFIG/--seeds/--grid (resource flags and --retries may be given)")
-            sweep_dir, manifest = resume, Manifest.load(resume)
+            run = Sweep(resume, Manifest.load(resume), opts, console)
         else:
             if not config or not seeds:
                 raise ValueError("give CONFIG and --seeds, e.g. fleetrl sweep examples/quickstart.yaml --seeds 42,1337")
             # opts: the resources are checked before the sweep directory exists (a rerun must not find it).
-            sweep_dir, manifest = new_sweep(config, parse_seeds(seeds), parse_grid(list(grid or [])),
-                                            list(overrides or []), out, opts)
-        code = Sweep(sweep_dir, manifest, opts, console).run()
+            run = start_sweep(config, parse_seeds(seeds), parse_grid(list(grid or [])), list(overrides or []), out,
+                              opts, console)
+        code = run.run()
     except (UserError, ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         _fail(e)
-    console.print(f"report: fleetrl report {sweep_dir}")
+    console.print(f"report: fleetrl report {run.dir}")
     raise typer.Exit(code)
 
 

@@ -64,13 +64,16 @@ class _Active:
 
 
 class Sweep:
-    def __init__(self, sweep_dir: Path, manifest: Manifest, options: SweepOptions, console: Console) -> None:
+    def __init__(self, sweep_dir: Path, manifest: Manifest, options: SweepOptions, console: Console, *,
+                 prepared: tuple[list[RunConfig], Allocator | None] | None = None) -> None:
+        """`prepared`: the runs' configs (manifest order) and allocator that `start_sweep` has just checked;
+        without it (a resumed sweep) both are derived here, which also re-validates every run's config."""
         self.dir, self.m, self.opt, self.console = Path(sweep_dir), manifest, options, console
         self.stop_signal: int | None = None
         self.hurry = False  # a second Ctrl-C: SIGKILL without waiting out the grace
-        cfgs = [self._config(r) for r in manifest.runs]  # also validates every run's config
-        self.totals = {r.name: c.trainer.total_steps for r, c in zip(manifest.runs, cfgs)}
-        self.alloc = make_allocator(cfgs, options)
+        cfgs, alloc = prepared if prepared is not None else ([self._config(r) for r in manifest.runs], None)
+        self.totals = {r.name: c.trainer.total_steps for r, c in zip(manifest.runs, cfgs, strict=True)}
+        self.alloc = alloc if alloc is not None else make_allocator(cfgs, options)
         self.m.options = {**self.m.options, "resources": {"gpus_per_run": self.alloc.gpus_per_run,
                                                           "cpus_per_run": self.alloc.cpus_per_run,
                                                           "max_parallel": self.alloc.max_parallel},

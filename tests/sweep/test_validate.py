@@ -3,11 +3,12 @@ machine's resources; a damaged sweep.json is named with the way out."""
 import json
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from fleetrl.cli.main import app
 from fleetrl.config import ConfigError
-from fleetrl.sweep import Manifest, ManifestError, SweepOptions, new_sweep
+from fleetrl.sweep import Manifest, ManifestError, SweepOptions, new_sweep, start_sweep
 from fleetrl.sweep.validate import check_grid_keys
 
 runner = CliRunner()
@@ -67,6 +68,20 @@ def test_new_sweep_writes_the_manifest_when_all_points_are_valid(tmp_path, monke
     assert [r.name for r in m.runs] == ["advantage=grpo,seed=1", "advantage=rloo,seed=1",
                                         "advantage=grpo,seed=2", "advantage=rloo,seed=2"]
     assert Manifest.load(sweep_dir).runs[3].grid == {"algorithm.advantage": "rloo"}
+
+
+def test_start_sweep_loads_each_point_once_and_probes_the_gpus_once(tmp_path, monkeypatch):
+    probes, loads = [], []
+    monkeypatch.setattr("fleetrl.sweep.runner.detect_gpus", lambda: probes.append(1) or [])
+    import fleetrl.sweep.validate as v
+
+    real = v.run_config
+    monkeypatch.setattr(v, "run_config", lambda c, o: loads.append(tuple(o)) or real(c, o))
+    sw = start_sweep(QUICK, [1, 2], {"algorithm.advantage": ["grpo", "rloo"]}, [], tmp_path / "s", SweepOptions(),
+                     Console(quiet=True))
+    assert len(probes) == 1  # the resource check before the dir exists is the allocator the sweep runs with
+    assert sorted(loads) == sorted({*loads}) and len(loads) == 4  # one load per run, none again in Sweep()
+    assert sw.totals == {r.name: 80 for r in sw.m.runs} and sw.alloc.max_parallel >= 1
 
 
 @pytest.mark.parametrize("text, what", [
