@@ -222,12 +222,21 @@ def summarize(rows: list[dict], stats: list[dict], plan, args, overrides: list[s
         "step_s": step, "steps_s": [round(r["train/time/step"], 4) for r in rows],
         "update_s": [round(r.get("train/time/update_actor", 0.0), 4) for r in rows],
         "tokens_per_step": tokens, "tokens_per_s_per_gpu": tokens / step / g, "phases_s": phases,
+        "generate_parts_s": _generate_parts(rows), "steps_generate_s": [round(r.get("train/time/generate", 0.0), 4)
+                                                                        for r in rows],
         "padding_waste": round(1 - real / slots, 4) if slots else None,
         "update_mfu": _update_mfu(stats or _fixed_length_stats(tokens, plan), phases["update_actor"],
                                   plan.config.model.path, device, g, body_tokens=real / len(rows) if real else None),
         "rollout_logprob_diff_mean": statistics.mean(r["train/rollout_logprob_diff_mean"] for r in rows),
         "wall_s": time.time() - t0, "overrides": overrides, "tag": args.tag,
     }
+
+
+def _generate_parts(rows: list[dict]) -> dict[str, float]:
+    """Mean seconds of the generate phase's parts timed inside a worker (train/time/generate/*: the optimiser's
+    offload and onload, FSDP2's unshard, the rollout itself), for the steps that logged them."""
+    keys = sorted({k for r in rows for k in r if k.startswith("train/time/generate/")})
+    return {k.removeprefix("train/time/generate/"): statistics.mean(r[k] for r in rows if k in r) for k in keys}
 
 
 def peak_gpu_mem_gib(steps: list[dict]) -> float | None:

@@ -43,6 +43,8 @@ def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, reco
         m.update(episode_metrics(batch))
     for k, v in timings.items():
         m[f"train/time/{k}"] = float(v)
+    for k, v in batch.meta.get("timing", {}).items():  # a phase's parts, timed inside a worker (the last rank's)
+        m[f"train/time/{k}"] = float(v)
     m["train/time/step"] = step_s
     tokens = float(batch["prompt_mask"].sum() + mask.sum())
     m["train/tokens_per_s"] = tokens / max(step_s, 1e-9)

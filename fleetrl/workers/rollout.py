@@ -1,6 +1,7 @@
 """Rollout component: a rollout engine over the actor's own model (colocated) or its own copy (separate pool)."""
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -11,6 +12,19 @@ from fleetrl.engines.protocol import RolloutEngine, SamplingParams
 from fleetrl.models.hf import load_run_tokenizer
 from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.messages import GenerateRequest
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _synced_lap(t0: float) -> float:
+    """Seconds since t0 once the device has finished what was queued (an FSDP2 unshard is asynchronous)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 @contextmanager
@@ -71,7 +85,9 @@ class RolloutComponent:
             raise RuntimeError(f"rollout worker {self.ctx.rank} holds weights version {self.engine.weights_version} "
                                f"but the step needs {req.min_weights_version}: weight sync did not arrive")
         params = self.sampling_params(batch, req)
+        t0 = time.perf_counter()
         with unsharded(self.model):
+            t_unshard = _synced_lap(t0) if _is_sharded(self.model) else None
             if self.episodes is not None:
                 if params.max_new_tokens_per_sample is not None:
                     raise ValueError("SamplingParams.max_new_tokens_per_sample limits one generation per sample; "
@@ -84,6 +100,10 @@ class RolloutComponent:
                             {"finish_reason": list(gen.finish_reasons)})
         # The version that actually generated each sample: what staleness is measured from (docs/async.md).
         out.tensors["weights_version"] = torch.full((len(out),), self.engine.weights_version, dtype=torch.long)
+        timing = out.meta.setdefault("timing", {})
+        timing["generate/rollout"] = time.perf_counter() - t0
+        if t_unshard is not None:  # FSDP2: the gather of every layer before decoding
+            timing["generate/unshard"] = t_unshard
         return out
 
     def sampling_params(self, batch: Batch, req: GenerateRequest) -> SamplingParams:

@@ -108,13 +108,25 @@ class Worker:
     # ------------------------------------------------------------------ verbs
     def generate(self, batch: Batch, req: GenerateRequest) -> Batch:
         offload = self.actor is not None and self.ctx.cfg.actor.offload_optimizer
+        t0 = time.perf_counter()
         if offload:
-            self.actor.engine.offload_optimizer()
+            self.actor.engine.offload_optimizer()  # synchronous: the memory must be free before the engine runs
+        t1 = time.perf_counter()
         try:
-            return self._need("rollout").generate(batch, req)
+            out = self._need("rollout").generate(batch, req)
         finally:
+            t2 = time.perf_counter()
             if offload:
                 self.actor.engine.onload_optimizer()
+        if offload:
+            # The optimiser's trip to the host and back is part of this phase, and on a large model it can rival
+            # the decode, so it is reported (train/time/generate/*); the sync times the onload's copies, which the
+            # update would wait for anyway.
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            out.meta.setdefault("timing", {}).update({"generate/offload_optimizer": t1 - t0,
+                                                      "generate/onload_optimizer": time.perf_counter() - t2})
+        return out
 
     def compute_logprobs(self, batch: Batch) -> Batch:
         return self._need("actor").compute_logprobs(batch)

@@ -9,6 +9,7 @@ import torch
 
 from fleetrl.config import derive_plan, load_config, to_dict
 from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.metric_names import is_machine_metric
 from fleetrl.trainer.trainer import SEQ_KEYS, Trainer
 from fleetrl.workers.messages import GenerateRequest, UpdateSpec
 from fleetrl.workers.worker import Worker
@@ -155,3 +156,28 @@ def test_dynamic_sampling_refills_a_sync_step_with_informative_groups(tmp_path: 
     finally:
         t.shutdown()
         t.tracker.close()
+
+
+def test_generate_reports_its_parts_with_offload_and_fsdp2(tmp_path: Path):
+    # One shard of FSDP2 on gloo with the optimiser offloaded: a step's generate phase holds the optimiser's trip to
+    # the host and back, the unshard and the rollout, and each is logged under train/time/generate/ (a machine
+    # metric) so that a slow phase can be taken apart (bench/e2e.py's generate_parts_s).
+    t = _trainer(tmp_path, "actor.sharding=fsdp2", "actor.offload_optimizer=true")
+    try:
+        metrics = t.fit()
+    finally:
+        t.shutdown()
+        t.tracker.close()
+    parts = {k.removeprefix("train/time/generate/"): v for k, v in metrics.items()
+             if k.startswith("train/time/generate/")}
+    assert set(parts) == {"offload_optimizer", "onload_optimizer", "unshard", "rollout"}
+    assert all(v >= 0 for v in parts.values())
+    # the parts are inside the phase, and the unshard inside the rollout
+    assert parts["offload_optimizer"] + parts["rollout"] + parts["onload_optimizer"] <= metrics["train/time/generate"]
+    assert parts["unshard"] <= parts["rollout"]
+    assert all(is_machine_metric(f"train/time/generate/{k}") for k in parts)
+
+
+def test_generate_reports_only_the_rollout_without_offload_or_sharding(on_policy: Trainer):
+    batch = on_policy.generate(on_policy.train_feed.next_batch(4))
+    assert set(batch.meta["timing"]) == {"generate/rollout"}
