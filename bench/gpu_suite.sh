@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 e2e7bfast e2e2native e2e2nativefsdp asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof decodelongtail hostsync
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 e2e7bfast e2e1native e2e2native e2e2nativefsdp asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof decodelongtail hostsync
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -103,12 +103,13 @@ for p in $PARTS; do case $p in
     run e2e2_7b 560 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 3 --warmup 1 --tag _7b \
       --out "$OUT" model.path=random:qwen2.5-7b actor.sharding=fsdp2 actor.offload_optimizer=true \
       model.gradient_checkpointing=true algorithm.micro_batch_size=8 cluster.init_timeout_s=400 ;;
-  e2e2native|e2e2nativefsdp)  # the 0.5B target's fast stack (native compiled forward, packed shared-prompt rows) on 2
-    # GPUs through Ray, weak scaling: replicated weights (gradient all-reduce) or FSDP2-sharded (gather/reduce-scatter)
-    shard=$([ "$p" = e2e2nativefsdp ] && echo actor.sharding=fsdp2 || echo actor.sharding=none)
-    run "$p" 300 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps 6 --warmup 3 \
-      --tag "_${p#e2e2}" --out "$OUT" actor.forward=native actor.compile=true algorithm.micro_batch_tokens=34816 \
-      actor.share_prompts=true $shard ;;
+  e2e1native|e2e2native|e2e2nativefsdp)  # the 0.5B e2e target's command (native compiled forward, packed
+    # shared-prompt rows) on 1 GPU (local backend), and on 2 GPUs through Ray, weak scaling: replicated weights
+    # (gradient all-reduce) or FSDP2-sharded (gather/reduce-scatter)
+    g=${p:3:1}; shard=$([ "$p" = e2e2nativefsdp ] && echo actor.sharding=fsdp2 || echo actor.sharding=none)
+    run "$p" 300 env CUDA_VISIBLE_DEVICES=$([ "$g" = 1 ] && echo 0 || echo 0,1) python3 bench/e2e.py --gpus "$g" \
+      --engine fast --steps 6 --warmup 3 --tag "_${p#e2e?}" --out "$OUT" actor.forward=native actor.compile=true \
+      algorithm.micro_batch_tokens=34816 actor.share_prompts=true $shard ;;
   e2e7bfast)  # e2e7b with the fast stack, which FSDP2 takes since engines/sharding.py: native compiled forward,
     # packed shared-prompt rows (not run yet: no 2-GPU machine has been lent since)
     run e2e2_7b_fast 580 env CUDA_VISIBLE_DEVICES=0,1 python3 bench/e2e.py --gpus 2 --engine fast --steps ${STEPS:-5} --warmup ${WARMUP:-2} \

@@ -120,8 +120,8 @@ class Worker:
                 self.actor.engine.onload_optimizer()
         if offload:
             # The optimiser's trip to the host and back is part of this phase, and on a large model it can rival
-            # the decode, so it is reported (train/time/generate/*); the sync times the onload's copies, which the
-            # update would wait for anyway.
+            # the decode, so it is reported (train/time/generate/*, docs/architecture.md "Phase timings"); the
+            # sync times the onload's copies, which the update would wait for anyway.
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             out.meta.setdefault("timing", {}).update({"generate/offload_optimizer": t1 - t0,
