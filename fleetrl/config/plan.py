@@ -24,6 +24,7 @@ from fleetrl.config.checks import (
 )
 from fleetrl.config.frozen import FrozenDict
 from fleetrl.config.load import ConfigError
+from fleetrl.config.precision import resolve_precision
 from fleetrl.config.schema import PoolConfig, RunConfig
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
@@ -117,6 +118,10 @@ class Plan:
     RESULTS.md); the HF engine's `generate` runs outside autocast and would meet mixed dtypes. None = model.dtype."""
     pipeline: AsyncPlan | None = None
     """trainer.mode=async: the overlap window (config/async_plan.py); None = synchronous steps."""
+    actor_autocast: str = "off"
+    """actor.autocast with `auto` resolved (config/precision.py): off, bfloat16 or float16."""
+    rollout_compute_dtype: str = "model"
+    """rollout.compute_dtype with `auto` resolved (config/precision.py): model or a dtype name."""
 
     def pool_of(self, role: str) -> PoolPlan:
         return self.pools[self.roles[role]]
@@ -227,6 +232,9 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     kl_before_update = use_ref and (kl.placement == "reward" or kl.controller == "adaptive")
     recompute = cfg.algorithm.recompute_logprobs == "always" or not on_policy or (stale and kl_before_update)
     val_prompts = max(world["rollout"], cfg.data.prompts_per_step)
+    autocast = resolve_precision("actor.autocast", cfg.actor.autocast, pools[roles["actor"]].uses_gpu, "off")
+    compute_dtype = resolve_precision("rollout.compute_dtype", cfg.rollout.compute_dtype,
+                                      pools[roles["rollout"]].uses_gpu, "model")
     return Plan(config=cfg, pools=FrozenDict(pools), roles=FrozenDict(roles), world=FrozenDict(world),
                 use_critic=use_critic, use_ref=use_ref, rollout_colocated=roles["rollout"] == roles["actor"],
                 samples_per_step=samples, mini_batch_samples=mini, num_mini_batches=n_mini, micro_batch_size=micro,
@@ -239,18 +247,19 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 val_batch_prompts=val_prompts, pipeline=pipeline,
                 action_mask="loss_mask" if cfg.rollout.env else "response_mask",
                 ref_from_actor=use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"],
-                lora_base_dtype=_lora_base_dtype(cfg, colocated=roles["rollout"] == roles["actor"]))
+                lora_base_dtype=_lora_base_dtype(cfg, autocast, colocated=roles["rollout"] == roles["actor"]),
+                actor_autocast=autocast, rollout_compute_dtype=compute_dtype)
 
 
-def _lora_base_dtype(cfg: RunConfig, colocated: bool) -> str | None:
-    """Plan.lora_base_dtype: the autocast dtype for a LoRA actor trained under autocast, unless the HF engine
-    generates with the actor's own modules (colocated) or the model is already in a narrower dtype."""
-    a = cfg.actor
-    if a.lora is None or a.autocast == "off" or cfg.model.dtype != "float32":
+def _lora_base_dtype(cfg: RunConfig, autocast: str, colocated: bool) -> str | None:
+    """Plan.lora_base_dtype: the autocast dtype for a LoRA actor trained under autocast (`autocast`: actor.autocast
+    resolved), unless the HF engine generates with the actor's own modules (colocated) or the model is already in
+    a narrower dtype."""
+    if cfg.actor.lora is None or autocast == "off" or cfg.model.dtype != "float32":
         return None
     if colocated and cfg.rollout.engine == "hf":
         return None
-    return a.autocast
+    return autocast
 
 
 def _total_steps(cfg: RunConfig, train_prompts: int | None) -> int:

@@ -77,9 +77,10 @@ class RolloutConfig:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    compute_dtype: Literal["model", "bfloat16", "float16", "float32"] = "model"
+    compute_dtype: Literal["model", "auto", "bfloat16", "float16", "float32"] = "model"
     """fast engine: decode in this dtype (a per-call weight copy when it differs from the model's). Its log-probs
-    then differ slightly from the trainer's (~0.035 mean |diff| for SmolLM2 bf16 vs fp32)."""
+    then differ slightly from the trainer's (~0.035 mean |diff| for SmolLM2 bf16 vs fp32). auto: bfloat16 on a
+    GPU or a CPU with native bf16 matmuls (AVX512-BF16 or AMX), else the model's (Plan.rollout_compute_dtype)."""
     val_temperature: float = 0.0
     """0 = greedy validation."""
     val_n: int = 1
@@ -236,9 +237,11 @@ class ActorConfig:
     forward=native (GPU and CPU): our layer function, fullgraph; static shapes on GPU (padded widths rounded to
     quarter-octave buckets, packed rows to the token budget), one dynamic-shape graph on CPU; with forward=hf
     (GPU only): HF's decoder layers (measured slower in the e2e update, bench/RESULTS.md)."""
-    autocast: Literal["off", "bfloat16", "float16"] = "off"
+    autocast: Literal["off", "auto", "bfloat16", "float16"] = "off"
     """Run the training forward under torch.autocast in this dtype (weights, gradients and Adam state stay in
-    model.dtype); on CPU bf16 autocast measured 1.2x faster updates for SmolLM2 (bench/RESULTS.md)."""
+    model.dtype); on CPU bf16 autocast measured 1.2x faster updates for SmolLM2 (bench/RESULTS.md) where the CPU
+    has native bf16 matmuls, and 8x slower matmuls on an AVX2-only CPU. auto: bfloat16 on a GPU or such a CPU,
+    else off (Plan.actor_autocast)."""
     offload_optimizer: bool = False
     """Move the optimiser state to CPU memory during generation (colocated rollout) and back for the update."""
     share_prompts: bool = False

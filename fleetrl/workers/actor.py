@@ -125,7 +125,7 @@ class ActorComponent:
         self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info,
                                      total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),
                                      sharded=ctx.sharded("actor"),
-                                     autocast_dtype=None if ctx.cfg.actor.autocast == "off" else dtype_of(ctx.cfg.actor.autocast))
+                                     autocast_dtype=None if ctx.plan.actor_autocast == "off" else dtype_of(ctx.plan.actor_autocast))
         self.packed = packed_forward(ctx, native=ctx.cfg.actor.forward == "native")
         self.native = native_forward(ctx, model, self.packed, ctx.cfg.actor.logprob_chunk)
 

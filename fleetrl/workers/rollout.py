@@ -51,10 +51,9 @@ def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer) -> Rollou
         from fleetrl.engines.fast import FastRolloutEngine
 
         sizes = ctx.plan.rollout
-        r = ctx.cfg.rollout
+        dtype = ctx.plan.rollout_compute_dtype  # rollout.compute_dtype, auto resolved (config/precision.py)
         return FastRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed, max_batch=sizes.max_batch,
-                                 max_seq_len=sizes.max_seq_len,
-                                 compute_dtype=None if r.compute_dtype == "model" else dtype_of(r.compute_dtype))
+                                 max_seq_len=sizes.max_seq_len, compute_dtype=None if dtype == "model" else dtype_of(dtype))
     from fleetrl.engines.hf import HFRolloutEngine
 
     # the engine's log-prob pass is chunked like the trainer's, so no B×T×V fp32 logits are built

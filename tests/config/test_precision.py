@@ -1,0 +1,49 @@
+"""`auto` precision (config/precision.py): bf16 where matmuls run it natively, the model's precision elsewhere."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from fleetrl.config import derive_plan, load_config, precision
+from fleetrl.config.precision import resolve_precision
+
+
+@pytest.fixture
+def cpu_bf16(monkeypatch):
+    def set_native(native: bool) -> None:
+        monkeypatch.setattr(precision, "native_bf16_cpu", lambda: native)
+    return set_native
+
+
+@pytest.mark.parametrize("on_gpu, native, expected", [
+    (True, False, "bfloat16"),   # a GPU: bf16 whatever the host CPU
+    (False, True, "bfloat16"),   # AVX512-BF16 / AMX CPU
+    (False, False, "off"),       # AVX2-only CPU: keep the model's precision
+])
+def test_auto_autocast_follows_the_device(cpu_bf16, on_gpu, native, expected):
+    cpu_bf16(native)
+    assert resolve_precision("actor.autocast", "auto", on_gpu, "off") == expected
+
+
+def test_explicit_settings_are_kept_and_a_slow_bf16_is_warned_about(cpu_bf16, caplog):
+    cpu_bf16(False)
+    with caplog.at_level(logging.WARNING, logger="fleetrl.config"):
+        assert resolve_precision("rollout.compute_dtype", "float32", False, "model") == "float32"
+        assert not caplog.records
+        assert resolve_precision("rollout.compute_dtype", "bfloat16", False, "model") == "bfloat16"
+    assert "rollout.compute_dtype=bfloat16 on a CPU without native bf16" in caplog.text
+    assert "set rollout.compute_dtype=auto" in caplog.text
+
+
+@pytest.mark.parametrize("native, autocast, compute, lora_base", [
+    (True, "bfloat16", "bfloat16", "bfloat16"),
+    (False, "off", "model", None),  # no autocast, so the LoRA base stays in model.dtype (fp32)
+])
+def test_plan_resolves_auto_for_the_cpu_pool(cpu_bf16, native, autocast, compute, lora_base):
+    cpu_bf16(native)
+    cfg = load_config("examples/quickstart.yaml", ["actor.autocast=auto", "rollout.compute_dtype=auto",
+                                                   "actor.lora.rank=4", "rollout.engine=fast"])
+    plan = derive_plan(cfg)
+    assert (plan.actor_autocast, plan.rollout_compute_dtype, plan.lora_base_dtype) == (autocast, compute, lora_base)
+    assert cfg.actor.autocast == "auto"  # the config keeps what the user wrote; the Plan holds what runs
