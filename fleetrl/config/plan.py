@@ -170,6 +170,8 @@ class Plan:
             "correction_in_loss": self.correction_in_loss,
             "ref_from_actor": self.ref_from_actor,
             "lora_base_dtype": self.lora_base_dtype,
+            "actor_autocast": self.actor_autocast,
+            "rollout_compute_dtype": self.rollout_compute_dtype,
             "total_steps": self.total_steps,
             "actor_optimizer_steps": self.actor_optimizer_steps,
             "critic_optimizer_steps": self.critic_optimizer_steps,
