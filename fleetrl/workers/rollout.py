@@ -14,31 +14,22 @@ from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.messages import GenerateRequest
 
 
-def _is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _synced_lap(t0: float) -> float:
-    """Seconds since t0 once the device has finished what was queued (an FSDP2 unshard is asynchronous)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 @contextmanager
-def unsharded(model: torch.nn.Module) -> Iterator[None]:
+def unsharded(model: torch.nn.Module) -> Iterator[float | None]:
     """FSDP2-sharded actor: gather every parameter group once for the whole generate call (otherwise each
-    decode step would all-gather, and ranks that finish at different steps would deadlock), reshard after."""
+    decode step would all-gather, and ranks that finish at different steps would deadlock), reshard after.
+    Yields the gather's seconds (device synced: the unshard is asynchronous), None when nothing is sharded."""
     from torch.distributed.fsdp import FSDPModule
 
     groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    t0 = time.perf_counter()
     for m in groups:
         m.set_reshard_after_forward(False)  # keep the gathered weights across decode steps
         m.unshard()
+    if groups and torch.cuda.is_available():
+        torch.cuda.synchronize()
     try:
-        yield
+        yield time.perf_counter() - t0 if groups else None
     finally:
         for m in groups:
             m.reshard()
@@ -85,8 +76,7 @@ class RolloutComponent:
                                f"but the step needs {req.min_weights_version}: weight sync did not arrive")
         params = self.sampling_params(batch, req)
         t0 = time.perf_counter()
-        with unsharded(self.model):
-            t_unshard = _synced_lap(t0) if _is_sharded(self.model) else None
+        with unsharded(self.model) as t_unshard:
             if self.episodes is not None:
                 if params.max_new_tokens_per_sample is not None:
                     raise ValueError("SamplingParams.max_new_tokens_per_sample limits one generation per sample; "

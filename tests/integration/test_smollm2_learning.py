@@ -6,9 +6,9 @@ step budget.
 Sized for CI on 2 cores: 16 training prompts, 4 per step x 8 samples, <= 32 new tokens, one torch thread, the LoRA
 example's fast CPU path (our compiled forward over packed shared-prompt rows, bf16 autocast where the CPU has
 native bf16; ~2.5 minutes alone on the 2-core VM, the first step compiling), a LoRA lr that moves in a few steps.
-12 steps are 3 passes over the same 16 prompts, so each pass's mean reward is over the same questions: an earlier version drew 4 new prompts a step
-from 256, and which 4 came up moved a step's reward more than training did (a run that learned failed on three
-hard steps at its end). What moves first is the format: at step 1 most replies ramble past 32 tokens and end on
+12 steps are 3 passes over the same 16 prompts, so each pass's mean reward is over the same questions: an earlier
+version drew 4 new prompts a step from 256, and which 4 came up moved a step's reward more than training did (a run
+that learned failed on three hard steps at its end). What moves first is the format: at step 1 most replies ramble past 32 tokens and end on
 another number (the gsm8k scorer reads the number after '####', else the last number); GRPO rewards the short
 replies that end on the result."""
 import statistics
