@@ -38,6 +38,8 @@ from fleetrl.sweep.resources import (
 from fleetrl.sweep.table import StatusView
 from fleetrl.sweep.validate import run_config
 
+METRICS = "metrics.jsonl"
+
 
 @dataclass(frozen=True, kw_only=True)
 class SweepOptions:
@@ -78,6 +80,10 @@ class Sweep:
                                                           "cpus_per_run": self.alloc.cpus_per_run,
                                                           "max_parallel": self.alloc.max_parallel},
                           "retries": options.retries, "stall_s": options.stall_s}
+        # Every run's latest heartbeat, kept after the run ends: the table shows a finished run's last step and
+        # reward, not a blank row. A run finished by an earlier invocation of this sweep is read once here.
+        self.beats = {r.name: _read_once(self.dir / r.name / METRICS, self.totals[r.name])
+                      for r in manifest.runs if r.state == "finished"}
 
     # ------------------------------------------------------------------------------------------- the loop
     def run(self) -> int:
@@ -100,7 +106,7 @@ class Sweep:
                         if self._check(a, queue):
                             active.remove(a)
                             self.alloc.release(a.slot)
-                    view.update(self.m.runs, {a.rec.name: a.beat for a in active}, self.totals)
+                    view.update(self.m.runs, self.beats, self.totals)
                     self._sleep(self.opt.poll_s)
                 if self.stop_signal is not None:
                     self._stop(active, queue)
@@ -129,14 +135,13 @@ class Sweep:
     def _launch(self, rec: RunRecord, slot: Slot) -> _Active:
         run_dir = self.dir / rec.name
         run_dir.mkdir(parents=True, exist_ok=True)
-        metrics = run_dir / "metrics.jsonl"
+        metrics = run_dir / METRICS
         # Always `auto`: a fresh run dir has no checkpoint, so it starts from scratch; a retry or a resumed sweep
         # continues from the newest complete checkpoint, and the config stays the same across attempts.
         resume = "auto"
         if metrics.exists() and metrics.stat().st_size:
             # Marks where this attempt's (repeated) steps begin, for readers of metrics.jsonl (`fleetrl report`).
-            last = Heartbeat(metrics, None)
-            last.poll()
+            last = _read_once(metrics, None)
             with open(metrics, "a") as f:
                 f.write(json.dumps({"step": last.step, "event": "restart", "source": "sweep",
                                     "attempt": rec.attempts + 1}) + "\n")
@@ -154,13 +159,16 @@ class Sweep:
         rec.pid, rec.pid_created = proc.pid, _created(proc.pid)
         self.m.save(self.dir)
         self._say(f"[cyan]start[/] {rec.name} (attempt {rec.attempts}, {rec.resources})")
-        return _Active(rec, proc, slot, Heartbeat(metrics, self.totals[rec.name]))
+        self.beats[rec.name] = Heartbeat(metrics, self.totals[rec.name])
+        return _Active(rec, proc, slot, self.beats[rec.name])
 
     def _check(self, a: _Active, queue: list[RunRecord]) -> bool:
         """Polls one run; True when it ended (finished, failed, or queued again for a retry)."""
         a.proc.snapshot()
-        a.beat.poll()
+        # Exit code first, then the file: once the process is seen to have exited, this poll reads its last
+        # lines (the other order misses what it wrote between the two calls, e.g. the final step).
         code = a.proc.poll()
+        a.beat.poll()
         if code is None and a.beat.silent_for() < self.opt.stall_s:
             return False
         if code is None:
@@ -238,6 +246,12 @@ def make_allocator(cfgs: list[RunConfig], opt: SweepOptions) -> Allocator:
     per_run = [n // k for n, k in ((len(gpus), g), (len(cpus), c)) if k]
     max_parallel = opt.max_parallel or (min(per_run) if per_run else 1)
     return Allocator(gpus, cpus, g, c, max(1, max_parallel))
+
+
+def _read_once(metrics: Path, total_steps: int | None) -> Heartbeat:
+    beat = Heartbeat(metrics, total_steps)
+    beat.poll()
+    return beat
 
 
 def _escape(text: str) -> str:
