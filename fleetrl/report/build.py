@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fleetrl.report.html import write_html
 from fleetrl.report.load import Run, assign_groups, find_runs, run_warnings, same_metrics
-from fleetrl.report.plots import pick_metrics, plot_metric, png_name
+from fleetrl.report.plots import PlotPlan, pick_metrics, plot_metric, png_name
 from fleetrl.report.stats import Interval, mean_ci, welch_diff
 
 
@@ -25,6 +25,8 @@ class GroupRow:
 class ReportResult:
     html: Path
     pngs: list[Path]
+    """The plots in page order: `plots.primary` first, then `plots.secondary`."""
+    plots: PlotPlan
     rows: list[GroupRow]
     score_key: str
     warnings: list[str]
@@ -43,11 +45,14 @@ def build_report(dirs: list[Path], out: Path, compare: tuple[str, str] | None = 
     rows = [summarise(label, members, score_key) for label, members in groups.items()]
     comparison = _compare(rows, compare) if compare else None
     out.mkdir(parents=True, exist_ok=True)
-    pngs = [plot_metric(k, groups, out / png_name(k)) for k in pick_metrics(runs)]
+    plan = pick_metrics(runs)
+    primary = [plot_metric(k, groups, out / png_name(k)) for k in plan.primary]
+    secondary = [plot_metric(k, groups, out / png_name(k), small=True) for k in plan.secondary]
     text = summary_text(rows, score_key, comparison)
     html = write_html(out / "report.html", runs=runs, groups=groups, rows=rows, score_key=score_key,
-                      differing=differing, pngs=pngs, warnings=warnings, comparison=comparison, summary=text)
-    return ReportResult(html, pngs, rows, score_key, warnings, comparison, text)
+                      differing=differing, plots=(primary, secondary), repeats=plan.repeats, warnings=warnings,
+                      comparison=comparison, summary=text)
+    return ReportResult(html, primary + secondary, plan, rows, score_key, warnings, comparison, text)
 
 
 def replicate_groups(runs: list[Run]) -> tuple[dict[str, list[Run]], list[str]]:

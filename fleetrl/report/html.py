@@ -15,7 +15,9 @@ h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:28px;border-bo
 table{border-collapse:collapse;font-size:13px;margin:8px 0} td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}
 th{background:#f3f3f3} .num{text-align:right;font-variant-numeric:tabular-nums}
 .plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(540px,1fr));gap:10px}
-.plots img{width:100%;border:1px solid #eee} .warn{background:#fff6d6;padding:6px 10px;margin:4px 0;font-size:13px}
+.plots img{width:100%;border:1px solid #eee}
+.plots.small{grid-template-columns:repeat(auto-fill,minmax(300px,1fr));gap:6px}
+h3{font-size:14px;margin-top:22px;color:#555} .warn{background:#fff6d6;padding:6px 10px;margin:4px 0;font-size:13px}
 .bad{background:#ffe3e3} pre{background:#f6f6f6;padding:8px;font-size:12px;overflow-x:auto;max-height:320px}
 .muted{color:#777;font-size:13px}
 """
@@ -46,8 +48,10 @@ def _ci(iv) -> str:
 
 
 def _summary_section(rows, score_key: str, comparison) -> str:
-    table = _table(["group", "seeds", f"final {score_key}", f"best {score_key}"],
-                   [[_e(r.group), _e(", ".join(map(str, r.seeds))), _ci(r.final), _ci(r.best)] for r in rows])
+    # "seeds" is how many replicates the interval rests on; which seeds they are comes last, for reference.
+    table = _table(["group", "seeds", f"final {score_key}", f"best {score_key}", "seed values"],
+                   [[_e(r.group), str(len(r.seeds)), _ci(r.final), _ci(r.best),
+                     f"<span class='muted'>{_e(', '.join(map(str, r.seeds)))}</span>"] for r in rows], (1,))
     out = (f"<h2>Final and best {_e(score_key)} per group</h2><p class='muted'>mean ± half-width of the 95% "
            f"t-interval across seeds [lower, upper]</p>{table}")
     if comparison:
@@ -81,8 +85,23 @@ def _runs_section(runs: list[Run]) -> str:
     return out
 
 
+def _curves_section(primary: list[Path], secondary: list[Path], repeats: dict[str, str]) -> str:
+    out = ("<h2>Curves</h2><p class='muted'>thin lines: seeds; thick line: mean; band: 95% t-interval across "
+           "seeds</p><div class='plots'>" + "".join(_img(p) for p in primary) + "</div>")
+    if secondary or repeats:
+        out += "<h3>More metrics</h3>"
+    if repeats:
+        same = "; ".join(f"{_e(k)} = {_e(v)}" for k, v in repeats.items())
+        out += f"<p class='muted'>not plotted (the same values as another plot in every run): {same}</p>"
+    if secondary:
+        out += "<div class='plots small'>" + "".join(_img(p) for p in secondary) + "</div>"
+    return out
+
+
 def write_html(path: Path, *, runs: list[Run], groups: dict[str, list[Run]], rows, score_key: str,
-               differing: list[str], pngs: list[Path], warnings: list[str], comparison, summary: str) -> Path:
+               differing: list[str], plots: tuple[list[Path], list[Path]], repeats: dict[str, str],
+               warnings: list[str], comparison, summary: str) -> Path:
+    """`plots`: (primary, secondary) PNGs in page order; `repeats`: metrics left out -> the plot they repeat."""
     sources = sorted({str(r.path.parent) for r in runs})
     head = (f"<!doctype html><html><head><meta charset='utf-8'><title>fleetrl report</title><style>{_CSS}"
             f"</style></head><body><h1>fleetrl report</h1><p class='muted'>{len(runs)} run(s) in {len(groups)} "
@@ -90,8 +109,7 @@ def write_html(path: Path, *, runs: list[Run], groups: dict[str, list[Run]], row
     parts = [head]
     parts += [f"<div class='warn'>{_e(w)}</div>" for w in warnings]
     parts.append(_summary_section(rows, score_key, comparison))
-    parts.append("<h2>Curves</h2><p class='muted'>thin lines: seeds; thick line: mean; band: 95% t-interval "
-                 "across seeds</p><div class='plots'>" + "".join(_img(p) for p in pngs) + "</div>")
+    parts.append(_curves_section(*plots, repeats))
     parts.append(_config_section(groups, differing))
     parts.append(_runs_section(runs))
     parts.append(f"<h2>Summary (text)</h2><pre>{_e(summary)}</pre></body></html>")

@@ -1,9 +1,12 @@
 """Curves for a report: one PNG per metric, each group a colour, each seed a thin line, the across-seed mean a
-thick line with its 95% t band. Which metrics: the ones people plot for RL post-training, in that order, as far
-as the runs logged them (the key names are fleetrl's metrics.jsonl names)."""
+thick line with its 95% t band. Which metrics: first the few a person reads first (reward, validation reward,
+response length, KL and entropy, step time), then the rest that RL post-training people plot, in that order, as
+far as the runs logged them (the key names are fleetrl's metrics.jsonl names). A metric that repeats an earlier
+one value for value (a per-data_source mean with one data source, pass@1 of a 0/1 reward) is not plotted again."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -15,29 +18,54 @@ from matplotlib.ticker import MaxNLocator
 from fleetrl.report.load import Run
 from fleetrl.report.stats import band
 
-# Ordered: rewards first (overall, then per data_source), then the policy's health, then throughput and memory.
-METRIC_PATTERNS = (
-    r"val/reward_mean", r"train/reward_mean", r"val/pass@\d+",
-    r"val/(?!reward_mean|pass@).+/mean@\d+", r"train/reward/.+/mean",
-    r"train/kl", r"train/actor/approx_kl", r"train/actor/kl_loss", r"train/entropy",
-    r"train/response_length_mean", r"train/response_clip_ratio", r"train/actor/clip_frac",
+# The plots read first, in this order: reward, validation reward, response length, KL/entropy, step time.
+PRIMARY = ("train/reward_mean", "val/reward_mean", "train/response_length_mean", "train/kl", "train/entropy",
+           "train/time/step")
+# The rest, ordered: rewards (pass@k, per data_source), then the policy's health, then throughput and memory.
+SECONDARY_PATTERNS = (
+    r"val/pass@\d+", r"val/(?!reward_mean|pass@).+/mean@\d+", r"train/reward/.+/mean",
+    r"train/actor/approx_kl", r"train/actor/kl_loss",
+    r"train/response_clip_ratio", r"train/actor/clip_frac",
     r"train/actor/grad_norm", r"train/actor/pg_loss", r"train/critic/.+loss", r"train/critic/grad_norm",
-    # memory before the per-phase timings, which are many and may meet MAX_PLOTS first
-    r"train/time/step", r"train/tokens_per_s", r"train/memory/gpu_.+", r"train/memory/.+", r"train/time/(?!step).+",
+    # memory before the per-phase timings, which are many and may meet MAX_SECONDARY first
+    r"train/tokens_per_s", r"train/memory/gpu_.+", r"train/memory/.+", r"train/time/(?!step).+",
 )
-MAX_PLOTS = 30
+MAX_SECONDARY = 24
 
 
-def pick_metrics(runs: list[Run]) -> list[str]:
+@dataclass(frozen=True)
+class PlotPlan:
+    primary: list[str]
+    secondary: list[str]
+    repeats: dict[str, str] = field(default_factory=dict)
+    """metric left out -> the earlier metric whose values it repeats in every run."""
+
+
+def pick_metrics(runs: list[Run]) -> PlotPlan:
     keys = set().union(*(r.metric_keys() for r in runs)) if runs else set()
-    out: list[str] = []
-    for pattern in METRIC_PATTERNS:
-        out += sorted(k for k in keys if re.fullmatch(pattern, k) and k not in out)
-    return out[:MAX_PLOTS]
+    primary = [k for k in PRIMARY if k in keys]
+    chosen, secondary, repeats = list(primary), [], {}
+    for pattern in SECONDARY_PATTERNS:
+        for k in sorted(k for k in keys if re.fullmatch(pattern, k) and k not in chosen):
+            twin = next((c for c in chosen if _repeats(runs, k, c)), None)
+            if twin is not None:
+                repeats[k] = twin
+                continue
+            chosen.append(k)
+            secondary.append(k)
+    return PlotPlan(primary, secondary[:MAX_SECONDARY], repeats)
 
 
-def plot_metric(key: str, groups: dict[str, list[Run]], path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
+def _repeats(runs: list[Run], key: str, earlier: str) -> bool:
+    """True when `key` has the same steps and values as `earlier` in every run, and they vary (two flat lines
+    at 0, e.g. clip fraction and approx KL of a one-epoch update, are different metrics that happen to agree)."""
+    series = [(r.series(key), r.series(earlier)) for r in runs]
+    return all(a == b for a, b in series) and len({v for (_, vs), _ in series for v in vs}) > 1
+
+
+def plot_metric(key: str, groups: dict[str, list[Run]], path: Path, small: bool = False) -> Path:
+    """`small`: a smaller canvas for the secondary grid, so its text stays legible at half the width."""
+    fig, ax = plt.subplots(figsize=(4.8, 3.0) if small else (6.4, 3.8), dpi=100)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, runs) in enumerate(groups.items()):
         color = colors[i % len(colors)]

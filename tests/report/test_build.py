@@ -75,3 +75,37 @@ def test_a_failed_run_without_config_is_left_out_and_compare_still_works(tmp_pat
     assert abs(res.comparison[2].mean - 0.2) < 1e-12
     assert any("rloo-3: no config.yaml (sweep state failed: boom)" in w for w in res.warnings)
     assert "— (no config.yaml)" in res.html.read_text()
+
+
+def test_plots_lead_with_what_is_read_first_repeats_are_left_out_and_seeds_is_a_count(tmp_path):
+    import re
+
+    # One data source and a 0/1 reward: its per-source means and pass@1 repeat the overall means value for value.
+    # approx_kl and clip_frac are both 0 everywhere (one-epoch update): different metrics, both kept.
+    for seed in (42, 1337, 7):
+        d = tmp_path / f"seed={seed}"
+        d.mkdir()
+        (d / "config.yaml").write_text(yaml.safe_dump({"trainer": {"seed": seed}}))
+        lines = []
+        for s in (1, 2, 3):
+            r, v = s / 10 + seed / 1e4, s / 5 + seed / 1e4
+            lines.append({"step": s, "train/reward_mean": r, "train/reward/copy/mean": r, "val/reward_mean": v,
+                          "val/pass@1": v, "val/copy/mean@1": v, "train/actor/grad_norm": 1.0 / s,
+                          "train/actor/approx_kl": 0.0, "train/actor/clip_frac": 0.0, "train/time/step": 2.0 + s,
+                          "train/entropy": 3.0 - s, "train/kl": 0.01 * s, "train/response_length_mean": 10.0 + s})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = build_report([tmp_path], tmp_path / "out")
+    html = res.html.read_text()
+    primary, secondary = html.split("<h3>More metrics</h3>")
+    assert re.findall(r"<img alt='([^']+)'", primary) == [
+        "train_reward_mean", "val_reward_mean", "train_response_length_mean", "train_kl", "train_entropy",
+        "train_time_step"]
+    assert re.findall(r"<img alt='([^']+)'", secondary) == [
+        "train_actor_approx_kl", "train_actor_clip_frac", "train_actor_grad_norm"]
+    assert [p.stem for p in res.pngs] == re.findall(r"<img alt='([^']+)'", html)  # each metric once
+    assert res.plots.repeats == {"val/pass@1": "val/reward_mean", "val/copy/mean@1": "val/reward_mean",
+                                 "train/reward/copy/mean": "train/reward_mean"}
+    assert "val/pass@1 = val/reward_mean" in secondary
+    # the seeds column counts the replicates (3), the seed values are listed beside
+    assert "<tr><td>all runs</td><td class='num'>3</td>" in html
+    assert "<span class='muted'>1337, 42, 7</span>" in html
