@@ -145,10 +145,13 @@ def submit(
     from fleetrl.cluster.jobs import env_from_args, secret_env_names
     from fleetrl.cluster.jobs import submit as submit_job
     from fleetrl.config import check_plan, load_config
+    from fleetrl.envs.check import check_env_config
 
     # Checked here, as `fleetrl train` will check it on the head: a typo then costs a second, not an upload and a
     # failed job. Secrets (${env:..}, ${file:..}) stay unresolved: they may live only on the head.
-    check_plan(load_config(working_dir / config, list(overrides or []), resolve=False))
+    cfg = load_config(working_dir / config, list(overrides or []), resolve=False)
+    check_plan(cfg)
+    check_env_config(cfg.rollout.env)
     env_vars = env_from_args(env or [])
     secret = secret_env_names(env_vars)
     if secret:

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fleetrl import heartbeat
 from fleetrl.batch import Batch
-from fleetrl.cluster.placement import bundle_nodes, create_pool_group
+from fleetrl.cluster.placement import create_pool_group
 from fleetrl.cluster.watchdog import Call, Deadlines, watch
 from fleetrl.config.plan import Plan
 from fleetrl.workers.context import WorkerContext
@@ -108,7 +108,6 @@ class WorkerGroup:
 
     def _spawn(self, env: dict[str, str]) -> list[Any]:
         self.pg = create_pool_group(self.pool, self.plan.config.cluster.placement_timeout_s)
-        self.node_ids = bundle_nodes(self.pg)
         bundle = self.pool.bundle
         custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         cls = ray.remote(concurrency_groups={SERIAL: 1})(_RayWorker) if self.serial else ray.remote(_RayWorker)

@@ -136,10 +136,3 @@ def create_pool_group(pool: PoolPlan, timeout_s: float) -> PlacementGroup:
             f"{describe_nodes(cluster_nodes())}\nFix: free resources, shrink the pool, or raise "
             f"cluster.placement_timeout_s") from None
     return pg
-
-
-def bundle_nodes(pg: PlacementGroup) -> list[str]:
-    """Node id of each bundle of a ready placement group."""
-    table = ray.util.placement_group_table(pg)
-    mapping = table.get("bundles_to_node_id", {})
-    return [mapping.get(i, "") for i in range(len(table.get("bundles", {})))]

@@ -48,9 +48,11 @@ def check_config(r: Recipe) -> None:
     fails here, not after the job has waited in the cluster's queue. The path is read from this directory, which
     is also where the job runs (sbatch's submit dir; the working dir dstack uploads)."""
     from fleetrl.config import check_plan, load_config  # config only when a recipe is printed
+    from fleetrl.envs.check import check_env_config
 
     # Secrets (${env:..}, ${file:..}) stay unresolved: they live on the head or in its job environment, not here.
     plan = check_plan(load_config(r.config, list(r.overrides), resolve=False))
+    check_env_config(plan.config.rollout.env)
     check_gpus_fit(list(plan.pools.values()), r.nodes, r.gpus_per_node)
 
 

@@ -181,22 +181,13 @@ def check_sampling(cfg: RunConfig) -> None:
 
 
 def check_env(cfg: RunConfig) -> None:
-    """rollout.env: the numbers, then one instance built (env_factory does), so a bad name, file or keyword
-    fails here, before any worker starts."""
-    env = cfg.rollout.env
-    if env is None:
-        return
-    if cfg.algorithm.overlong.buffer:
+    """rollout.env against the other keys (its numbers are in RANGES). Whether its name, file and kwargs build an
+    environment is the environments' to say: envs/check.py, called where the run is assembled."""
+    if cfg.rollout.env is not None and cfg.algorithm.overlong.buffer:
         raise ConfigError("algorithm.overlong.buffer penalises one generation's length; with rollout.env an "
                           "episode's length is bounded by rollout.env.max_total_tokens instead: set "
                           "algorithm.overlong.buffer=0 (mask_truncated still works: it drops episodes that ran "
                           "out of that budget)")
-    from fleetrl.envs.base import EnvError, env_factory
-
-    try:
-        env_factory(env.name, **env.kwargs)
-    except EnvError as e:
-        raise ConfigError(f"rollout.env.name / rollout.env.kwargs: {e}") from None
 
 
 def check_lora(cfg: RunConfig) -> None:

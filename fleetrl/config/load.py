@@ -342,11 +342,6 @@ def _choice(choices: tuple, value: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unknown value {value!r}{hint} (choose from: {', '.join(map(str, choices))})")
 
 
-def choices_of(cls: type, name: str) -> tuple:
-    """Allowed values of a Literal field (for messages elsewhere that list them)."""
-    return typing.get_args(typing.get_type_hints(cls)[name])
-
-
 def _unknown_key(where: str, key: str, names: list[str]) -> str:
     guess = difflib.get_close_matches(str(key), names, n=1)
     hint = f"; did you mean {_join(where, guess[0])!r}?" if guess else ""

@@ -123,9 +123,6 @@ class Plan:
     rollout_compute_dtype: str = "model"
     """rollout.compute_dtype with `auto` resolved (config/precision.py): model or a dtype name."""
 
-    def pool_of(self, role: str) -> PoolPlan:
-        return self.pools[self.roles[role]]
-
     @property
     def correction_on_controller(self) -> bool:
         """The controller weighs the recomputed log-probs against the rollout's and sends `is_weights`."""

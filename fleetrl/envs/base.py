@@ -98,8 +98,8 @@ def env_factory(spec: str, **kwargs: Any) -> EnvFactory:
 
 def _resolve(spec: str) -> Callable[..., Env]:
     import fleetrl.envs.throughput  # noqa: F401  (registers `fixed_turns`)
-    import fleetrl.envs.tool_env  # noqa: F401  (registers the built-in tool environments; imported late to
-    # keep fleetrl.rewards -> fleetrl.envs.sandbox free of an import cycle)
+    import fleetrl.envs.tool_env  # noqa: F401  (registers the built-in tool environments; both import this
+    # module to register, so they are imported here rather than at the top)
 
     if spec in ENVS:
         return ENVS[spec]

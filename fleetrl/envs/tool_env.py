@@ -19,7 +19,6 @@ from fleetrl.envs.base import (
     register_env,
     score_answer,
 )
-from fleetrl.envs.sandbox import SandboxLimits
 from fleetrl.envs.tools import (
     CALL_FORMATS,
     TOOLS,
@@ -31,6 +30,7 @@ from fleetrl.envs.tools import (
     validate_call,
 )
 from fleetrl.rewards.registry import resolve_scorer
+from fleetrl.sandbox import SandboxLimits
 
 
 @register_env("tools")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fleetrl.envs.sandbox import SandboxLimits, run_python
+from fleetrl.sandbox import SandboxLimits, run_python
 
 
 class ToolCallError(ValueError):

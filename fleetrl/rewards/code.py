@@ -14,8 +14,8 @@ import re
 import secrets
 from typing import Any
 
-from fleetrl.envs.sandbox import SandboxLimits, run_python
 from fleetrl.rewards.errors import RewardError
+from fleetrl.sandbox import SandboxLimits, run_python
 
 CODE_LIMITS = SandboxLimits(cpu_s=5, wall_s=15, memory_mb=512, max_procs=16, max_output_bytes=65536)
 _BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)

@@ -1,4 +1,4 @@
-"""Bootstrap of one sandboxed run; executed as `python -I _sandbox_boot.py SPEC_JSON` by fleetrl.envs.sandbox.
+"""Bootstrap of one sandboxed run; executed as `python -I _boot.py SPEC_JSON` by fleetrl.sandbox.runner.
 
 It must not import fleetrl (the interpreter runs isolated, `-I`). Two processes:
   supervisor  joins the pids cgroup (if one was made), forks the worker, waits for it, writes its exit status

@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-_BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_boot.py")
+_BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot.py")
 _CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1 pids controller, then the v2 hierarchy
 
 # Why a run failed; None when it exited 0.

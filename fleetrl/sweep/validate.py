@@ -12,6 +12,7 @@ from typing import Any
 
 from fleetrl.config import ConfigError, check_plan, load_config
 from fleetrl.config.schema import RunConfig
+from fleetrl.envs.check import check_env_config
 from fleetrl.sweep.spec import RunSpec
 
 
@@ -22,6 +23,7 @@ def run_config(config: str | Path, overrides: list[str]) -> RunConfig:
         raise ConfigError(f"cluster.address={cfg.cluster.address}: `fleetrl sweep` starts a local Ray per run "
                           f"on this machine; remove cluster.address (or the override) to sweep here")
     check_plan(cfg)
+    check_env_config(cfg.rollout.env)
     return cfg
 
 

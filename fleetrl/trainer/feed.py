@@ -52,9 +52,6 @@ class PromptFeed:
             keys = keys[:limit]
         return [collate([self.dataset[k] for k in keys[j:j + size]], self.pad_id) for j in range(0, len(keys), size)]
 
-    def num_prompts(self) -> int:
-        return len(self.dataset)
-
     def data_sources(self) -> set[str]:
         return set(self.dataset.data_sources)
 

@@ -10,6 +10,7 @@ from rich.text import Text
 
 from fleetrl.config import Plan, derive_plan, load_config, redacted_dict, write_config
 from fleetrl.config.schema import RunConfig
+from fleetrl.envs.check import check_env_config
 from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.rundir import claim_run_dir
 from fleetrl.trainer.signals import Interrupted, StopSignal
@@ -39,12 +40,16 @@ def check_models(cfg: RunConfig) -> None:
 
 
 def plan_for(cfg: RunConfig) -> Plan:
-    """The Plan of `cfg`; in epoch mode (trainer.total_steps: null) the training set is read to size the run."""
+    """The Plan of `cfg`, its environment checked; in epoch mode (trainer.total_steps: null) the training set is
+    read to size the run."""
     if cfg.trainer.total_steps is not None:
-        return derive_plan(cfg)
-    from fleetrl.trainer.feed import count_train_prompts  # tokenizes, so imports transformers: only when needed
+        plan = derive_plan(cfg)
+    else:
+        from fleetrl.trainer.feed import count_train_prompts  # tokenizes, so imports transformers: only when needed
 
-    return derive_plan(cfg, train_prompts=count_train_prompts(cfg))
+        plan = derive_plan(cfg, train_prompts=count_train_prompts(cfg))
+    check_env_config(cfg.rollout.env)
+    return plan
 
 
 def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:

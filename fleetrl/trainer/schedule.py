@@ -84,9 +84,6 @@ class Window:
         self.dropped_groups += chunk.groups
         return False
 
-    def oldest(self) -> Chunk | None:
-        return next(iter(self.outstanding.values()), None)
-
 
 def staleness_bound_holds(trained_versions: Sequence[int], sample_versions: Sequence[Sequence[int]],
                           max_staleness: int) -> bool:

@@ -1,4 +1,5 @@
-"""rollout.env: checked once at config time (bad specs fail before training), and the per-step episode metrics."""
+"""rollout.env: its numbers checked with the config, its spec where the run is assembled (both before training),
+and the per-step episode metrics."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +9,10 @@ import torch
 from fleetrl.batch import Batch
 from fleetrl.config import derive_plan, load_config
 from fleetrl.config.load import ConfigError
+from fleetrl.envs.check import check_env_config
 from fleetrl.trainer.metrics import episode_metrics
 from fleetrl.trainer.rewards import RewardScorer
+from fleetrl.trainer.run import plan_for
 
 EXAMPLE = "examples/tools_lookup_tiny.yaml"
 
@@ -25,17 +28,30 @@ def test_the_example_plans_an_episode_wide_response():
 
 
 @pytest.mark.parametrize(("override", "match"), [
-    ("rollout.env.name=lokup", r"rollout\.env\.name.*unknown environment 'lokup'.*'lookup'"),
-    ("rollout.env.name=nowhere/env.py:Env", r"rollout\.env\.name.*nowhere/env\.py does not exist"),
-    ("rollout.env.kwargs={colour: 1}", r"rollout\.env.*cannot construct it with \{'colour': 1\}.*with_key"),
     ("rollout.env.max_turns=0", r"rollout\.env\.max_turns must be >= 1, got 0"),
     ("rollout.env.max_tokens_per_turn=0", r"rollout\.env\.max_tokens_per_turn must be >= 1, got 0"),
     ("rollout.env.timeout_s=0", r"rollout\.env\.timeout_s must be > 0"),
     ("algorithm.overlong.buffer=1", r"set algorithm\.overlong\.buffer=0"),
 ])
-def test_a_bad_env_spec_fails_at_config_time_naming_the_field(override, match):
+def test_a_bad_env_number_fails_at_config_time_naming_the_field(override, match):
     with pytest.raises(ConfigError, match=match):
         derive_plan(load_config(EXAMPLE, [override]))
+
+
+@pytest.mark.parametrize(("override", "match"), [
+    ("rollout.env.name=lokup", r"rollout\.env\.name.*unknown environment 'lokup'.*'lookup'"),
+    ("rollout.env.name=nowhere/env.py:Env", r"rollout\.env\.name.*nowhere/env\.py does not exist"),
+    ("rollout.env.kwargs={colour: 1}", r"rollout\.env.*cannot construct it with \{'colour': 1\}.*with_key"),
+])
+def test_a_bad_env_spec_fails_where_the_run_is_assembled_naming_the_field(override, match):
+    # Config knows no environments: its plan passes, and the run's assembly (plan_for, which `fleetrl train`
+    # runs before Ray or a run directory) builds one instance and fails.
+    cfg = load_config(EXAMPLE, [override])
+    derive_plan(cfg)
+    with pytest.raises(ConfigError, match=match):
+        check_env_config(cfg.rollout.env)
+    with pytest.raises(ConfigError, match=match):
+        plan_for(cfg)
 
 
 def test_an_unknown_env_key_is_named_by_the_loader():

@@ -132,3 +132,21 @@ def test_lookup_without_key_looks_up_the_asked_key():
         env.format.parse("? q")
     assert env.step("?").observation == "7"
     assert env.step("7").reward == 1.25
+
+
+@pytest.mark.parametrize(("code", "reason"), [
+    ("while True:\n    pass", "cpu_time"),
+    ("x = bytearray(512 * 2**20)", "memory"),
+    ("import socket\nsocket.socket().connect(('1.1.1.1', 80))", "denied"),
+    ("open('/etc/fleetrl-test', 'w')", "denied"),
+    ("import os\nwhile True:\n    os.fork()", "process_limit"),
+    ("1 / 0", "error"),
+])
+def test_each_sandbox_fault_is_a_tool_error_with_reason(code, reason):
+    env = ToolEnv(tools=("python",), sandbox={"cpu_s": 1, "wall_s": 20, "memory_mb": 128, "max_procs": 8})
+    env.reset({"ground_truth": "1"})
+    call = json.dumps({"name": "python", "arguments": {"code": code}})
+    result = env.step(f"<tool_call>{call}</tool_call>")
+    assert not result.done and result.reward == 0.0
+    assert result.info["tool_errors"] == 1 and result.info["error_reasons"] == [reason]
+    assert result.observation.startswith(f"tool error: python: {reason}")

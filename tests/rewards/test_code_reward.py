@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from fleetrl.envs.sandbox import SandboxLimits
 from fleetrl.rewards.code import code_tests, extract_code
 from fleetrl.rewards.errors import RewardError
 from fleetrl.rewards.registry import resolve_scorer
+from fleetrl.sandbox import SandboxLimits
 
 FAST = SandboxLimits(cpu_s=1, wall_s=10, memory_mb=128, max_procs=8, max_output_bytes=4096)
 ASSERTS = {"asserts": ["assert square(2) == 4", "assert square(-3) == 9", "assert square(0) == 1"]}

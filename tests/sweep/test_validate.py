@@ -24,6 +24,15 @@ def test_a_bad_grid_value_fails_before_the_sweep_dir_exists(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def test_a_bad_environment_in_the_grid_fails_before_the_sweep_dir_exists(tmp_path):
+    # The plan passes (config knows no environments); the sweep checks the spec itself (envs/check.py).
+    r = runner.invoke(app, ["sweep", "examples/tools_lookup_tiny.yaml", "--seeds", "1", "--grid",
+                            "rollout.env.name=lookup,lokup", "--out", str(tmp_path / "s")])
+    assert r.exit_code == 2, r.output
+    assert "--grid point rollout.env.name=lokup" in r.output and "unknown environment 'lokup'" in r.output
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_bad_base_override_is_not_blamed_on_the_grid(tmp_path):
     r = runner.invoke(app, ["sweep", QUICK, "algorithm.clip_low=1.5", "--seeds", "1", "--grid",
                             "algorithm.advantage=grpo,rloo", "--out", str(tmp_path / "s")])
