@@ -108,6 +108,32 @@ class Batch:
         index_parts = balanced_partition(self.token_counts().tolist(), k)
         return [self.select(ix) for ix in index_parts], [np.asarray(ix) for ix in index_parts]
 
+    def split_groups(self, partition: "GroupPartition") -> list["Batch"]:
+        """Rank r's rows of `partition` (whole groups, mini-batch by mini-batch); `Batch.gather(parts,
+        partition.rows)` puts results back in this batch's order."""
+        return [self.select(rows) for rows in partition.rows]
+
+    def group_spans(self) -> list[tuple[int, int]]:
+        """[start, end) of each GRPO group: the runs of equal `group` ids. A group is contiguous by construction
+        (repeat_interleave); a batch whose ids repeat after another group's would have been reordered, which is
+        a bug, not input."""
+        group = self.tensors["group"].tolist()
+        spans, start = [], 0
+        for i in range(1, len(group) + 1):
+            if i == len(group) or group[i] != group[start]:
+                spans.append((start, i))
+                start = i
+        assert len({group[a] for a, _ in spans}) == len(spans), "a GRPO group's samples are not contiguous"
+        return spans
+
+    def group_tokens(self) -> list[int]:
+        """Per group, the tokens a rank computes for it: its prompt once (the packed update and the engine's
+        shared prefill run a group's prompt once) plus every response it has so far."""
+        prompt = self.tensors["prompt_mask"].sum(1).tolist()
+        response = self.tensors["response_mask"].sum(1).tolist() if "response_mask" in self.tensors else None
+        return [int(prompt[a]) + (int(sum(response[a:b])) if response is not None else 0)
+                for a, b in self.group_spans()]
+
     def token_counts(self) -> torch.Tensor:
         count = torch.zeros(len(self), dtype=torch.long)
         for key in ("prompt_mask", "response_mask"):
@@ -142,6 +168,42 @@ class Batch:
         for p in parts:
             meta.update(p.meta)
         return Batch(tensors, fields, meta)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPartition:
+    """Which rows of a step's batch each data-parallel rank holds. A GRPO group (a prompt and its n samples) is
+    never split; each mini-batch's groups are dealt out on their own, so rank r holds its share of mini-batch 0,
+    then of mini-batch 1, ... and a mini-batch is the same set of groups at every world size (world 2 trains on
+    the same mini-batches as world 1). Made once per step by the controller and used by generate, log-probs and
+    update alike, so a sample is scored and trained on the rank that generated it."""
+    rows: tuple[np.ndarray, ...]
+    """Per rank, the batch row indices it holds, in mini-batch order; each rank holds equally many per mini-batch."""
+    num_mini: int
+
+    @property
+    def world(self) -> int:
+        return len(self.rows)
+
+    @staticmethod
+    def of(batch: "Batch", world: int, num_mini: int = 1) -> "GroupPartition":
+        """Whole groups over `world` ranks, each mini-batch's groups balanced by `Batch.group_tokens` (greedy
+        LPT with equal group counts). Before generation that is the prompt tokens (every group will add n
+        responses of the same budget); after it, prompt once plus responses. One rank: the identity, so the
+        single-rank numbers are untouched."""
+        spans, weight = batch.group_spans(), batch.group_tokens()
+        groups = len(spans)
+        if groups % num_mini or (groups // num_mini) % world:
+            raise ValueError(f"{groups} groups do not make {num_mini} mini-batch(es) of whole groups split evenly over "
+                             f"{world} ranks (config/plan.py checks this for a run)")
+        per_mini = groups // num_mini
+        rows: list[list[np.ndarray]] = [[] for _ in range(world)]
+        for m in range(num_mini):
+            ids = range(m * per_mini, (m + 1) * per_mini)
+            for r, part in enumerate(balanced_partition([weight[g] for g in ids], world)):
+                rows[r] += [np.arange(*spans[ids[g]]) for g in part]
+        return GroupPartition(rows=tuple(np.concatenate(r) if r else np.zeros(0, np.int64) for r in rows),
+                              num_mini=num_mini)
 
 
 def balanced_partition(weights: Sequence[int], k: int) -> list[list[int]]:

@@ -37,6 +37,10 @@ class AdvantageInputs:
     lam: float = 1.0  # GAE lambda
     norm_by_std: bool = True  # GRPO: divide by group std
     eps: float = 1e-6  # added to the group std before dividing
+    sum_all: Callable[[Tensor], Tensor] | None = None
+    """Sums a tensor over the data-parallel ranks when this batch is one rank's share (the rank-local step; whole
+    groups, so group statistics stay local and exact); batch-wide whitening (gae, reinforce_plus_plus) reads
+    global sums through it. None: this batch is the whole step's."""
 
     def __post_init__(self) -> None:
         if self.mask_BT.dim() != 2:
@@ -175,7 +179,7 @@ def gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
                          "choose a critic-free estimator such as 'grpo' or 'rloo'")
     rewards_BT = inputs.sequence_rewards_BT()
     adv_BT, returns_BT = gae_advantages(rewards_BT, inputs.values_BT, inputs.mask_BT, inputs.gamma, inputs.lam)
-    return masked_whiten(adv_BT, inputs.mask_BT), returns_BT
+    return masked_whiten(adv_BT, inputs.mask_BT, sum_all=inputs.sum_all), returns_BT
 
 
 @ADVANTAGES.register("grpo")
@@ -266,7 +270,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025): token_rewards + score on the last valid token, return-to-go with gamma,
     advantages = return-to-go whitened over the whole batch (not per group). Returns are un-whitened."""
     returns_BT = discounted_returns(inputs.sequence_rewards_BT(), inputs.mask_BT, inputs.gamma)
-    return masked_whiten(returns_BT, inputs.mask_BT), returns_BT
+    return masked_whiten(returns_BT, inputs.mask_BT, sum_all=inputs.sum_all), returns_BT
 
 
 @ADVANTAGES.register("reinforce_plus_plus_baseline")
@@ -280,6 +284,6 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[Tensor, Tenso
     mean_B, _, _ = group_stats(inputs.scores_B, inputs.group_B)
     centred = AdvantageInputs(
         scores_B=inputs.scores_B - mean_B, mask_BT=inputs.mask_BT, group_B=inputs.group_B,
-        token_rewards_BT=inputs.token_rewards_BT, gamma=inputs.gamma,
+        token_rewards_BT=inputs.token_rewards_BT, gamma=inputs.gamma, sum_all=inputs.sum_all,
     )
     return reinforce_plus_plus(centred)

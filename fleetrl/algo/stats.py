@@ -5,6 +5,8 @@ multiplied by 0, so a NaN or inf sitting in padding (e.g. a log-prob of a pad to
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -39,14 +41,26 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var * n / (n - 1).clamp_min(1)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  sum_all: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """(x - mean) / sqrt(var + eps) over the masked entries; zero where `mask` is 0.
 
     x, mask: same shape (e.g. [B, T]). Statistics are taken over the whole tensor, not per row.
     shift_mean=False adds the mean back, i.e. only rescales (used for values-like quantities).
+    sum_all: sums a tensor over the data-parallel ranks when this rank holds only part of the batch (the
+    rank-local step): mean and unbiased variance then come from the global count, sum and sum of squares, in
+    float64 (one all-reduce of three numbers). None: this tensor is the whole batch (the two-pass formula).
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
+    if sum_all is None:
+        mean = masked_mean(x, mask)
+        var = masked_var(x, mask, unbiased=True)
+    else:
+        keep = mask.bool()
+        x64 = torch.where(keep, x.to(torch.float64), torch.zeros((), dtype=torch.float64, device=x.device))
+        n, total, squares = sum_all(torch.stack([keep.sum().to(torch.float64), x64.sum(), (x64 * x64).sum()])).unbind()
+        mean64 = total / n.clamp_min(1)
+        var64 = (squares - n * mean64 * mean64).clamp_min(0) / (n - 1).clamp_min(1)
+        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

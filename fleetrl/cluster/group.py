@@ -16,8 +16,9 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fleetrl import heartbeat
-from fleetrl.batch import Batch
+from fleetrl.batch import Batch, GroupPartition
 from fleetrl.cluster.placement import create_pool_group
+from fleetrl.cluster.telemetry import CallStats
 from fleetrl.cluster.watchdog import Call, Deadlines, watch
 from fleetrl.config.plan import Plan
 from fleetrl.workers.context import WorkerContext
@@ -77,7 +78,7 @@ class WorkerGroup:
         self.backend = backend
         self.world_size = self.pool.world_size
         self.pg = None
-        self.overhead_s = 0.0
+        self.stats = CallStats(pool_name)
         self.bus_ready = False  # weight bus to a separate rollout pool connected (cluster/weight_sync.py)
         self.step = 0  # set by the controller each step: stall reports and dumps name it
         self.run_dir = run_dir
@@ -126,18 +127,21 @@ class WorkerGroup:
     def call_all(self, method: Callable, *args: Any, timeout: float | None = None) -> list[Any]:
         """Every rank runs `method(*args)`. `timeout` fixes the deadline (set-up calls); otherwise the watchdog's."""
         t0 = time.perf_counter()
-        return self._timed_get([self._invoke(w, method, *args) for w in self.workers], method, timeout, t0)
+        return self._timed_get([self._invoke(w, method, *args) for w in self.workers], method, timeout, t0,
+                               sent=[a for a in args if isinstance(a, Batch)] * self.world_size)
 
     def call_parts(self, method: Callable, parts: Sequence[Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """Rank r gets parts[r] (then the same `args` as every rank)."""
         assert len(parts) == self.world_size, (len(parts), self.world_size)
         t0 = time.perf_counter()
         return self._timed_get([self._invoke(w, method, p, *args) for w, p in zip(self.workers, parts)], method,
-                               timeout, t0)
+                               timeout, t0, sent=parts)
 
-    def _timed_get(self, refs: list[Any], method: Callable, timeout: float | None, t0: float) -> list[Any]:
-        """Results of Worker.timed calls; adds (call wall time - slowest worker's own compute) to overhead_s, the
-        time Ray itself costs (serialisation, scheduling, transfer) as seen by the controller."""
+    def _timed_get(self, refs: list[Any], method: Callable, timeout: float | None, t0: float,
+                   sent: Sequence[Any] = ()) -> list[Any]:
+        """Results of Worker.timed calls; records in `stats` each rank's own seconds, the time Ray itself costs
+        (call wall time - slowest worker's own compute: serialisation, scheduling, transfer) and the per-sample
+        bytes sent and received (cluster/telemetry.py)."""
         verb = method.__name__
         if timeout is None and self.backend == "ray":
             pairs = self._watched(refs, verb)
@@ -145,8 +149,9 @@ class WorkerGroup:
             pairs = self._get(refs, timeout)
         wall = time.perf_counter() - t0
         self.deadlines.record(verb, wall)
-        self.overhead_s += max(0.0, wall - max(dt for _, dt in pairs))
-        return [r for r, _ in pairs]
+        results = [r for r, _ in pairs]
+        self.stats.record(verb, [dt for _, dt in pairs], wall, list(sent), results)
+        return results
 
     def calls(self, refs: list[Any]) -> list[Call]:
         """The watchdog's view of one ref per rank of this group."""
@@ -171,6 +176,16 @@ class WorkerGroup:
             return self.call_all(method, batch, *args, timeout=timeout)[0]
         parts, index = batch.split_balanced(self.world_size)
         return Batch.gather(self.call_parts(method, parts, *args, timeout=timeout), index)
+
+    def call_groups(self, method: Callable, batch: Batch, partition: GroupPartition, *args: Any,
+                    timeout: float | None = None) -> Batch:
+        """Rank r runs `method` on its rows of the step's group partition (whole GRPO groups); the results come
+        back in the batch's order. The same partition in every phase keeps each sample on one rank."""
+        assert partition.world == self.world_size, (partition.world, self.world_size)
+        if self.world_size == 1:
+            return self.call_all(method, batch, *args, timeout=timeout)[0]
+        return Batch.gather(self.call_parts(method, batch.split_groups(partition), *args, timeout=timeout),
+                            partition.rows)
 
     def submit(self, rank: int, method: Callable, *args: Any) -> Any:
         """Starts `method(*args)` on one rank and returns its ref ((result, seconds) when done) without waiting:
@@ -199,8 +214,7 @@ class WorkerGroup:
 
     def take_overhead(self) -> float:
         """Ray overhead accumulated since the last call (seconds), and reset."""
-        spent, self.overhead_s = self.overhead_s, 0.0
-        return spent
+        return self.stats.take_overhead()
 
     def node_infos(self) -> list[dict]:
         return self.call_all(Worker.node_info)

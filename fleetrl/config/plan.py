@@ -334,7 +334,7 @@ def _batch_arithmetic(cfg: RunConfig, world: dict[str, int]) -> tuple[int, int, 
     n, prompts = cfg.rollout.n, cfg.data.prompts_per_step
     samples = prompts * n
     for role, dp in world.items():
-        if samples % dp:
+        if role == "reward_model" and samples % dp:  # scores samples, not groups
             raise ConfigError(
                 f"data.prompts_per_step × rollout.n = {prompts} × {n} = {samples} samples do not split over the "
                 f"{dp} data-parallel workers of role '{role}'; make data.prompts_per_step a multiple of "
@@ -346,16 +346,16 @@ def _batch_arithmetic(cfg: RunConfig, world: dict[str, int]) -> tuple[int, int, 
     mini = mini_prompts * n
     micro = cfg.algorithm.micro_batch_size
     # A micro-batch larger than a rank's share of the mini-batch just means one micro-batch per rank.
-    per_rank_sizes = [mini // world[r] for r in ("actor", "critic") if r in world and mini % world[r] == 0]
+    per_rank_sizes = [mini // world[r] for r in ("actor", "critic") if r in world and mini_prompts % world[r] == 0]
     if per_rank_sizes and micro > min(per_rank_sizes):
         micro = min(per_rank_sizes)
     for role in ("actor", "critic"):
         dp = world.get(role)
         if dp is None:
             continue
-        if mini % dp:
-            raise ConfigError(f"a mini-batch of {mini_prompts} prompts × {n} = {mini} samples does not split over "
-                              f"{dp} '{role}' workers; make algorithm.mini_batch_prompts × rollout.n a multiple "
+        if mini_prompts % dp:
+            raise ConfigError(f"a mini-batch of {mini_prompts} prompts (groups of {n} samples, never split) does not "
+                              f"divide over {dp} '{role}' workers; make algorithm.mini_batch_prompts a multiple "
                               f"of {dp}")
         per_rank = mini // dp
         if per_rank % micro:  # micro >= 1: check_ranges
@@ -377,12 +377,21 @@ def _packing(cfg: RunConfig) -> int | None:
     one_of("actor.packed_attention", a.packed_attention,
             ["auto", "varlen", "segments", "flex_attention", "flash_attention_2", "flash_attention_3", "sdpa", "eager"])
     if a.packed_attention in ("varlen", "segments") and a.forward != "native":
+    # A GRPO group (a prompt and its n samples) is never split across ranks (batch.py GroupPartition): every
+    # data-parallel role gets whole prompts, as many on each rank.
         raise ConfigError(f"actor.packed_attention={a.packed_attention} is the native forward's (models/"
                           f"{a.packed_attention}.py); with actor.forward=hf choose auto, flex_attention, "
                           "flash_attention_2, sdpa or eager, or set actor.forward=native")
     return budget
 
 
+        # an async rollout pool takes chunks of whole groups one worker at a time (trainer/pipeline.py)
+        skip = role == "reward_model" or (role == "rollout" and cfg.trainer.mode == "async")
+        if not skip and prompts % dp:
+            raise ConfigError(
+                f"data.prompts_per_step={prompts} prompts (each a group of rollout.n={n} samples, never split) do not "
+                f"divide over the {dp} data-parallel workers of role '{role}'; make data.prompts_per_step a "
+                f"multiple of {dp} or change that pool's nodes/workers_per_node")
 def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b

@@ -15,18 +15,9 @@ from typing import Callable, Iterator
 import torch
 
 from fleetrl.algo import (
-    ADVANTAGES,
-    AdvantageInputs,
-    apply_kl_penalty,
-    fold_kl_into_scores,
-    kl_estimate,
     make_kl_controller,
-    mask_truncated,
-    masked_mean,
-    overlong_penalty,
-    rollout_correction,
 )
-from fleetrl.batch import Batch
+from fleetrl.batch import Batch, GroupPartition
 from fleetrl.cluster.group import WorkerGroup
 from fleetrl.config.plan import Plan
 from fleetrl.tracking.tracker import Tracker
@@ -39,10 +30,19 @@ from fleetrl.trainer.validate import validate
 from fleetrl.workers.episodes import generate_keys
 from fleetrl.workers.layout import arrange_update
 from fleetrl.workers.messages import CorrectionSpec, GenerateRequest, UpdateMetrics, UpdateSpec
+from fleetrl.workers.phases import (
+    SEQ_KEYS,
+    actor_keys,
+    after_logprobs,
+    critic_keys,
+    loss_mask_key,
+    seq_kl,
+    shape_scores,
+    with_advantages,
+)
 from fleetrl.workers.worker import Worker
 
 log = logging.getLogger("fleetrl.trainer")
-SEQ_KEYS = ("prompts", "prompt_mask", "responses", "response_mask")
 
 
 class Trainer:
@@ -50,6 +50,12 @@ class Trainer:
                  stop: StopSignal | None = None, inputs: RunInputs | None = None) -> None:
         self.stop = stop or StopSignal()
         self.plan, self.cfg, self.tracker, self.out_dir = plan, plan.config, tracker, out_dir
+        if self.cfg.cluster.backend != "local":
+            # The controller's tensor work is small (per-group advantages, selects) and runs beside the workers'
+            # processes: with one OpenMP thread per core each op's barrier waits for a thread another process
+            # has preempted. One thread took a 4-GPU step from 1.84 to 1.19 s (4x H200, 2026-11-26). The local
+            # backend's in-process worker sets the thread count itself (workers/context.py).
+            torch.set_num_threads(1)
         self.resume = resume or self.cfg.trainer.resume
         inputs = inputs or RunInputs.load(plan)
         self.train_feed, self.val_feed, self.scorer = inputs.train, inputs.val, inputs.scorer
@@ -63,6 +69,9 @@ class Trainer:
             self.rm = ModelRewards(self.cfg)
         self.groups: dict[str, WorkerGroup] = {}
         self.timings: dict[str, float] = {}
+        # The step's group partitions, by (world size, mini-batches): made when the step's groups are generated
+        # and reused by every later phase, so a sample is scored and trained where it was generated.
+        self.partitions: dict[tuple[int, int], GroupPartition] = {}
         self.pipeline = None  # trainer.mode=async: trainer/pipeline.py, built with the groups
 
     @property
@@ -88,7 +97,7 @@ class Trainer:
             for g in self.groups.values():
                 g.step = self.step + 1  # stall reports name the step being made
             self.timings = {}
-            self._ray_overhead()  # drop what validation/resume accumulated: only this step's calls count
+            self._call_stats()  # drop what validation/resume accumulated: only this step's calls count
             t0 = time.perf_counter()
             batch = self.rollouts()
             batch = self.logprobs(batch)
@@ -100,7 +109,7 @@ class Trainer:
             self.progress.step += 1
             metrics.update(self._step_metrics(batch, time.perf_counter() - t0))
             metrics["train/kl_coef"] = self.kl_ctl.coef
-            metrics["train/time/worker_call_overhead"] = self._ray_overhead()
+            metrics.update(self._call_stats())
             self.checkpoint()
             if self.val_feed and self.cfg.trainer.val_every and (self.step % self.cfg.trainer.val_every == 0
                                                                   or self.step == total):
@@ -116,6 +125,7 @@ class Trainer:
     def rollouts(self) -> Batch:
         """generate + score for one step's prompts; with dynamic sampling, more rounds until every group is
         informative (trainer/dynamic.py). Async: taken from the generation already running (trainer/pipeline.py)."""
+        self.partitions = {}
         if self.pipeline is not None:
             with self._timed("rollout_wait"):
                 return self.pipeline.next_batch(self.progress.weights_version)
@@ -125,6 +135,7 @@ class Trainer:
             return fresh()
         batch, stats = fill_informative(fresh(), fresh, groups=self.cfg.data.prompts_per_step, n=self.cfg.rollout.n,
                                         max_rounds=ds.max_rounds)
+        self.partitions = {}  # groups from several rounds: the update partitions them afresh, by their tokens
         batch.meta["dynamic_sampling"] = stats
         return batch
 
@@ -135,7 +146,9 @@ class Trainer:
             batch.tensors["group"] = torch.arange(len(prompts)).repeat_interleave(n)
             req = GenerateRequest(purpose="generate", step=self.step, temperature=self.cfg.rollout.temperature,
                                   min_weights_version=self.progress.weights_version)
-            out = self.group("rollout").call_split(Worker.generate, batch.pick(*generate_keys(self.cfg.rollout)), req)
+            self.partitions = {}  # a new set of groups (dynamic sampling generates several per step)
+            gen = batch.pick(*generate_keys(self.cfg.rollout), "group")
+            out = self.group("rollout").call_groups(Worker.generate, gen, self.partition(batch, "rollout"), req)
             return batch.update(out)
 
     def score(self, batch: Batch) -> Batch:
@@ -145,12 +158,7 @@ class Trainer:
             scores, stats = self.scorer.score(batch, texts)
             if self.rm is not None:  # the reward_model role's scores, combined per data_source (trainer/rm.py)
                 scores = self.rm.score(batch, scores, texts, self.group("reward_model"), stats)
-            o = self.cfg.algorithm.overlong
-            if o.buffer:  # DAPO soft overlong punishment, part of the score every later phase sees
-                penalty = overlong_penalty(batch["response_mask"].sum(1), max_len=self.cfg.rollout.max_new_tokens,
-                                           buffer=o.buffer, factor=o.factor)
-                stats["overlong_penalty_mean"] = float(penalty.mean())
-                scores = scores + penalty
+            scores = shape_scores(batch, scores, stats, self.plan)
             batch.tensors["scores"] = scores
             batch.meta["reward_stats"] = stats
             return batch
@@ -159,70 +167,41 @@ class Trainer:
         with self._timed("logprobs"):
             seq = batch.pick(*SEQ_KEYS)
             if self.plan.recompute_logprobs:
-                batch = batch.update(self.group("actor").call_split(Worker.compute_logprobs, seq))
+                batch = batch.update(self.group("actor").call_groups(Worker.compute_logprobs, seq,
+                                                                     self.partition(batch, "actor")))
             if self.plan.use_ref:
-                batch = batch.update(self.group("ref").call_split(Worker.compute_ref_logprobs, seq))
-            if self.plan.correction_on_controller:  # else (correction_in_loss) the actor loss does it
-                c = self.cfg.algorithm.rollout_correction
-                w, stats = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], batch[self.plan.action_mask],
-                                              mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
-                batch.tensors["is_weights"] = w
-                batch.meta["correction"] = {k: float(v) for k, v in stats.items()}
-            if self.cfg.algorithm.overlong.mask_truncated:
-                truncated = torch.tensor([f == "length" for f in batch["finish_reason"]])
-                batch.tensors["loss_mask"] = mask_truncated(batch[self.plan.action_mask], truncated)
+                batch = batch.update(self.group("ref").call_groups(Worker.compute_ref_logprobs, seq,
+                                                                   self.partition(batch, "ref")))
+            batch = after_logprobs(batch, self.plan)  # else (correction_in_loss) the actor loss corrects
             return batch
 
     def values(self, batch: Batch) -> Batch:
         if not self.plan.use_critic:
             return batch
         with self._timed("values"):
-            return batch.update(self.group("critic").call_split(Worker.compute_values, batch.pick(*SEQ_KEYS)))
+            return batch.update(self.group("critic").call_groups(Worker.compute_values, batch.pick(*SEQ_KEYS),
+                                                                 self.partition(batch, "critic")))
 
     def advantages(self, batch: Batch) -> Batch:
-        algo = self.cfg.algorithm
-        mask = batch[self.plan.action_mask].float()
-        scores, token_rewards = batch["scores"], None
-        if self.plan.use_ref:
-            # Without a recompute pass the rollout's own log-probs stand for the policy's: same weights, or (a stale
-            # pipeline) KL only in the loss, where the update's forward supplies them; this number is then the KL
-            # of the sampling policy (the Plan recomputes when the reward or an adaptive controller reads it).
-            logp = batch["old_logprobs"] if self.plan.recompute_logprobs else batch["rollout_logprobs"]
-            kl_bt = kl_estimate(logp, batch["ref_logprobs"], algo.kl.estimator) * mask
-            seq_kl = float(masked_mean(kl_bt, mask))
-            batch.meta["kl"] = seq_kl
-            if algo.kl.placement == "reward":
-                token_rewards, kl = apply_kl_penalty(batch["scores"], logp, batch["ref_logprobs"],
-                                                     mask, self.kl_ctl.coef, algo.kl.estimator)
-                if self.plan.kl_into_score:  # an outcome estimator ignores token rewards: fold them into the score
-                    scores, token_rewards = fold_kl_into_scores(scores, kl, mask, self.kl_ctl.coef), None
-            self.kl_ctl.update(seq_kl, len(batch))
-        inputs = AdvantageInputs(scores_B=scores, mask_BT=mask, group_B=batch["group"],
-                                 token_rewards_BT=token_rewards, values_BT=batch.tensors.get("values"),
-                                 gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std)
-        adv, ret = ADVANTAGES.get(algo.advantage)(inputs)
-        return batch.with_tensors(advantages=adv.float(), returns=ret.float())
+        batch, kl = with_advantages(batch, self.plan, self.kl_ctl.coef)
+        if kl is not None:
+            batch.meta["kl"] = seq_kl(*kl)
+            self.kl_ctl.update(batch.meta["kl"], len(batch))
+        return batch
 
     def update(self, batch: Batch) -> dict[str, float]:
         reports: list[list[UpdateMetrics]] = []  # per role, per rank
         if self.plan.use_critic:
             with self._timed("update_critic"):
-                critic_batch = batch.pick(*SEQ_KEYS, "values", "returns", self.plan.action_mask)
-                reports.append(self._update_role("critic", critic_batch, Worker.update_critic))
+                reports.append(self._update_role("critic", batch.pick(*critic_keys(self.plan)), Worker.update_critic))
         if self.plan.actor_updates_at(self.step):
-            keys = [*SEQ_KEYS, "advantages", "rollout_logprobs"]
-            keys += ["old_logprobs"] if self.plan.recompute_logprobs else []
-            keys += ["ref_logprobs"] if self.cfg.algorithm.kl.placement == "loss" else []
-            keys += ["is_weights"] if self.plan.correction_on_controller else []
-            keys += ["loss_mask"] if self.cfg.algorithm.overlong.mask_truncated or self.cfg.rollout.env else []
             with self._timed("update_actor"):
-                reports.append(self._update_role("actor", batch.pick(*keys), Worker.update_actor))
+                reports.append(self._update_role("actor", batch.pick(*actor_keys(self.plan)), Worker.update_actor))
         return {f"train/{k}": v for k, v in UpdateMetrics.reduce_roles(reports).items()}
 
     def _update_role(self, role: str, batch: Batch, method: Callable) -> list[UpdateMetrics]:
-        truncated = role == "actor" and self.cfg.algorithm.overlong.mask_truncated
-        loss_mask = "loss_mask" if truncated else self.plan.action_mask
-        parts, minis = arrange_update(batch, self.plan.num_mini_batches, self.plan.world[role],
+        loss_mask = loss_mask_key(self.plan, role)
+        parts, minis = arrange_update(batch, self.partition(batch, role),
                                       norm_len=float(self.cfg.rollout.max_response_tokens), mask_key=loss_mask)
         actor, c = role == "actor", self.cfg.algorithm.rollout_correction
         spec = UpdateSpec(minis=minis, kl_coef=self.kl_ctl.coef,
@@ -231,6 +210,18 @@ class Trainer:
                           correction=CorrectionSpec(mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
                           if actor and self.plan.correction_in_loss else None)
         return self.group(role).call_parts(method, parts, spec)
+
+    def partition(self, batch: Batch, role: str) -> GroupPartition:
+        """The step's group partition over `role`'s ranks: whole groups, mini-batch by mini-batch, balanced by
+        tokens; made once per step and world size. Colocated roles share one world size and so one partition."""
+        world, mini = self.plan.world[role], self.plan.num_mini_batches
+        groups = len(batch) // self.cfg.rollout.n
+        if groups % mini or (groups // mini) % world:  # a separate rollout pool of another size: its own split
+            mini = 1
+        key = (world, mini)
+        if key not in self.partitions:
+            self.partitions[key] = GroupPartition.of(batch, world, mini)
+        return self.partitions[key]
 
     def sync(self) -> None:
         """Publishes the new actor weights to the rollout engines (in place when colocated)."""
@@ -334,8 +325,13 @@ class Trainer:
                       self.pipeline.metrics(batch, self.progress.weights_version - 1, step_s).items()})
         return m
 
-    def _ray_overhead(self) -> float:
-        return sum(g.take_overhead() for g in self.groups.values())
+    def _call_stats(self) -> dict[str, float]:
+        """This step's worker-call telemetry (cluster/telemetry.py): Ray's overhead summed over pools, each
+        pool's per-rank phase seconds (min/median/max, slowest rank) and the bytes through the driver."""
+        out = {"train/time/worker_call_overhead": sum(g.take_overhead() for g in self.groups.values())}
+        for g in self.groups.values():
+            out.update({f"train/{k}": v for k, v in g.stats.take().items()})
+        return out
 
     def group(self, role: str) -> WorkerGroup:
         return self.groups[self.plan.roles[role]]

@@ -1,42 +1,29 @@
 """The mini-/micro-batch layout of an update, produced (controller) and consumed (worker) in this one module.
 
-Controller: `arrange_update` splits each mini-batch balanced over the data-parallel ranks; rank r gets its share
-of mini-batch 0, then of mini-batch 1, ..., plus the GLOBAL counts of every mini-batch. Worker: `rank_minis`
+Controller: `arrange_update` hands each data-parallel rank its rows of the step's `GroupPartition` (batch.py: whole
+groups, each mini-batch's groups balanced by tokens); rank r gets its share of mini-batch 0, then of mini-batch
+1, ..., plus the GLOBAL counts of every mini-batch. Worker: `rank_minis`
 cuts its batch back into those mini-batches, `micro_batches` cuts one into forward/backward pieces.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from fleetrl.batch import Batch
+from fleetrl.batch import Batch, GroupPartition
 from fleetrl.models.packing import same_prompt_as_previous
 from fleetrl.workers.messages import MiniBatchCounts
 
 
-def arrange_update(batch: Batch, num_mini: int, world: int, norm_len: float,
+def arrange_update(batch: Batch, partition: GroupPartition, norm_len: float,
                    mask_key: str = "response_mask") -> tuple[list[Batch], tuple[MiniBatchCounts, ...]]:
-    """Per-rank batches for an update and the global counts of each mini-batch (tokens of `mask_key`)."""
-    parts, _ = order_for_dp(batch, num_mini, world)
-    size = len(batch) // num_mini
+    """Per-rank batches for an update (the step's group partition: whole groups, each rank its share of every
+    mini-batch in order) and the global counts of each mini-batch (tokens of `mask_key`). A mini-batch is a
+    contiguous run of whole groups of `batch`, the same at every world size."""
+    size = len(batch) // partition.num_mini
     mask = batch[mask_key]
     counts = tuple(MiniBatchCounts(num_tokens=float(mask[i * size:(i + 1) * size].sum()), num_seqs=float(size),
-                                   norm_len=norm_len) for i in range(num_mini))
-    return parts, counts
-
-
-def order_for_dp(batch: Batch, num_mini: int, world: int) -> tuple[list[Batch], list[np.ndarray]]:
-    """Per-rank batches (and, per rank, the rows of `batch` they hold): each mini-batch split balanced by tokens."""
-    minis = batch.chunk(num_mini)
-    per_rank: list[list[Batch]] = [[] for _ in range(world)]
-    per_rank_ix: list[list[np.ndarray]] = [[] for _ in range(world)]
-    size = len(batch) // num_mini
-    for m, mini in enumerate(minis):
-        parts, index = mini.split_balanced(world)
-        for r in range(world):
-            per_rank[r].append(parts[r])
-            per_rank_ix[r].append(index[r] + m * size)
-    return [Batch.concat(p) for p in per_rank], [np.concatenate(ix) for ix in per_rank_ix]
+                                   norm_len=norm_len) for i in range(partition.num_mini))
+    return batch.split_groups(partition), counts
 
 
 def rank_minis(batch: Batch, num_mini: int) -> list[Batch]:
@@ -58,19 +45,7 @@ def token_micro_batches(batch: Batch, max_tokens: int, share_prompts: bool = Fal
     order, so losses normalised by the mini-batch's global counts sum to the same total as with sample counts.
     share_prompts: a row with its predecessor's prompt costs its response only, as the packed row holds that
     prompt once (models/packing.py `pack`); the first row of a micro-batch always pays for its prompt."""
-    prompt_B, response_B = batch["prompt_mask"].sum(1).tolist(), batch["response_mask"].sum(1).tolist()
-    shared_B = (same_prompt_as_previous(batch["prompts"], batch["prompt_mask"]).tolist() if share_prompts
-                else [False] * len(batch))
-    groups: list[list[int]] = []
-    used = max_tokens + 1  # forces a new group for the first row
-    for i, (p, r, shared) in enumerate(zip(prompt_B, response_B, shared_B)):
-        n = r if shared else p + r
-        if used + n > max_tokens:
-            groups.append([])
-            used, n = 0, p + r
-        groups[-1].append(i)
-        used += n
-    return [trim_padding(batch.select(g)) for g in groups]
+    return [trim_padding(batch.select(g)) for g in _budget_groups(*_row_tokens(batch, share_prompts), max_tokens)]
 
 
 def update_micro_batches(batch: Batch, size: int, max_tokens: int | None, share_prompts: bool = False) -> list[Batch]:
@@ -79,6 +54,59 @@ def update_micro_batches(batch: Batch, size: int, max_tokens: int | None, share_
     if max_tokens is None:
         return micro_batches(batch, size)
     return token_micro_batches(batch, max_tokens, share_prompts)
+
+
+def split_micro_batches(batch: Batch, count: int, max_tokens: int | None, share_prompts: bool = False) -> list[Batch]:
+    """`batch` cut into `count` consecutive micro-batches (one per row if it has fewer rows), every row in exactly
+    one, in order: what a rank runs when another rank's rows made more micro-batches than its own (FSDP2 ranks run
+    as many; engines/sharding.py). With a token budget they are balanced by tokens (the largest as small as it can
+    be, so within the budget), else by rows (at most the rows `size` allowed, as `count` is at least this rank's own
+    count)."""
+    n = len(batch)
+    count = min(count, n)
+    if max_tokens is None:
+        q, extra = divmod(n, count)
+        starts = [i * q + min(i, extra) for i in range(count + 1)]
+        return [trim_padding(batch.select(range(a, b))) for a, b in zip(starts, starts[1:])]
+    full, cont = _row_tokens(batch, share_prompts)
+    lo, hi = max(full), sum(full)
+    while lo < hi:  # the smallest largest micro-batch that `count` of them allow (greedy packing is optimal)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(_budget_groups(full, cont, mid)) <= count else (mid + 1, hi)
+    groups = _budget_groups(full, cont, lo)
+
+    def tokens(g: list[int]) -> int:
+        return full[g[0]] + sum(cont[i] for i in g[1:])
+
+    while len(groups) < count:  # fewer at that size: cut the largest with two rows or more where it halves best
+        k = max((j for j, g in enumerate(groups) if len(g) > 1), key=lambda j: tokens(groups[j]))
+        g = groups.pop(k)
+        cut = min(range(1, len(g)), key=lambda c: max(tokens(g[:c]), tokens(g[c:])))
+        groups[k:k] = [g[:cut], g[cut:]]
+    return [trim_padding(batch.select(g)) for g in groups]
+
+
+def _row_tokens(batch: Batch, share_prompts: bool) -> tuple[list[int], list[int]]:
+    """Per row, its tokens when it starts a micro-batch and when it follows another (its response only if it
+    shares its predecessor's prompt)."""
+    prompt_B, response_B = batch["prompt_mask"].sum(1).tolist(), batch["response_mask"].sum(1).tolist()
+    shared_B = (same_prompt_as_previous(batch["prompts"], batch["prompt_mask"]).tolist() if share_prompts
+                else [False] * len(batch))
+    full = [p + r for p, r in zip(prompt_B, response_B)]
+    return full, [r if shared else f for f, r, shared in zip(full, response_B, shared_B)]
+
+
+def _budget_groups(full: list[int], cont: list[int], max_tokens: int) -> list[list[int]]:
+    groups: list[list[int]] = []
+    used = max_tokens + 1  # forces a new group for the first row
+    for i, (f, c) in enumerate(zip(full, cont)):
+        n = c
+        if used + n > max_tokens:
+            groups.append([])
+            used, n = 0, f
+        groups[-1].append(i)
+        used += n
+    return groups
 
 
 def trim_padding(mb: Batch) -> Batch:

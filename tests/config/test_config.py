@@ -46,9 +46,21 @@ def test_plan_hand_computed():
 
 
 def test_samples_not_divisible_by_dp():
-    with pytest.raises(ConfigError, match=r"3 × 1 = 3 samples do not split over the 2 data-parallel workers"):
+    with pytest.raises(ConfigError, match=r"data.prompts_per_step=3 prompts \(each a group of rollout.n=1 samples, never "
+                                          r"split\) do not divide over the 2 data-parallel workers of role 'actor'"):
         _plan("data.prompts_per_step=3", "rollout.n=1", "algorithm.advantage=gae",
               "cluster.pools.main.workers_per_node=2", "algorithm.micro_batch_size=1")
+
+
+def test_groups_are_never_split_over_ranks():
+    # 2 prompts x 4 samples = 8 samples would split over 4 ranks, but not as whole groups
+    with pytest.raises(ConfigError, match=r"prompts_per_step=2 prompts .* do not divide over the 4 data-parallel "
+                                          r"workers of role 'actor'; make data.prompts_per_step a multiple of 4"):
+        _plan("data.prompts_per_step=2", "rollout.n=4", "cluster.pools.main.workers_per_node=4")
+    with pytest.raises(ConfigError, match=r"a mini-batch of 2 prompts \(groups of 4 samples, never split\) does not "
+                                          r"divide over 4 'actor' workers"):
+        _plan("data.prompts_per_step=8", "rollout.n=4", "algorithm.mini_batch_prompts=2",
+              "cluster.pools.main.workers_per_node=4")
 
 
 def test_mini_batch_not_multiple_of_micro():

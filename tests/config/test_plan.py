@@ -38,9 +38,9 @@ def test_rollout_engine_sizes():
     # val_n 1: 8 validation samples -> 4 per worker < 16 training samples per worker.
     p = _plan("data.prompts_per_step=8", "rollout.n=4", "cluster.pools.main.workers_per_node=2")
     assert p.rollout.max_batch == 16
-    # 5 prompts × val_n 3 = 15 validation samples over 2 workers: ceil(7.5) = 8 > 5 × 2 / 2 = 5 training samples.
-    p = _plan("data.prompts_per_step=5", "rollout.n=2", "rollout.val_n=3", "cluster.pools.main.workers_per_node=2")
-    assert p.rollout.max_batch == 8
+    # 6 prompts × val_n 5 = 30 validation samples over 2 workers = 15 each > 6 × 4 / 2 = 12 training samples.
+    p = _plan("data.prompts_per_step=6", "rollout.n=4", "rollout.val_n=5", "cluster.pools.main.workers_per_node=2")
+    assert p.rollout.max_batch == 15
 
 
 def test_rollout_colocated_only_when_it_shares_the_actor_pool():

@@ -45,13 +45,13 @@ def recomputed(tmp_path: Path):
 
 def _spy_requests(trainer: Trainer) -> list[GenerateRequest]:
     group = trainer.group("rollout")
-    real, seen = group.call_split, []
+    real, seen = group.call_groups, []
 
-    def spy(method, batch, *args, **kwargs):
+    def spy(method, batch, partition, *args, **kwargs):
         seen.extend(a for a in args if isinstance(a, GenerateRequest))
-        return real(method, batch, *args, **kwargs)
+        return real(method, batch, partition, *args, **kwargs)
 
-    group.call_split = spy  # type: ignore[method-assign]
+    group.call_groups = spy  # type: ignore[method-assign]
     return seen
 
 
@@ -110,7 +110,7 @@ def test_kl_uses_rollout_logprobs_when_not_recomputed(on_policy: Trainer):
     # k3 with logp = 0 and ref = -ln 2: log r = -ln 2, r = 0.5, KL = r - 1 - log r = ln 2 - 0.5 on every token.
     shape = batch["response_mask"].shape
     batch = batch.with_tensors(rollout_logprobs=torch.zeros(shape), ref_logprobs=torch.full(shape, -math.log(2)))
-    t.advantages(batch)
+    batch = t.advantages(batch)
     assert batch.meta["kl"] == pytest.approx(math.log(2) - 0.5, rel=1e-6)
 
 
@@ -124,7 +124,7 @@ def test_recompute_pass_adds_old_logprobs_and_the_kl_uses_them(recomputed: Train
     # old = 0, ref = -ln 2 as above; the rollout's log-probs (here -5) must not enter the KL.
     kl_batch = batch.with_tensors(old_logprobs=torch.zeros(shape), rollout_logprobs=torch.full(shape, -5.0),
                                   ref_logprobs=torch.full(shape, -math.log(2)))
-    t.advantages(kl_batch)
+    kl_batch = t.advantages(kl_batch)
     assert kl_batch.meta["kl"] == pytest.approx(math.log(2) - 0.5, rel=1e-6)
     sent = _spy_updates(t)
     metrics = t.update(t.advantages(batch))
