@@ -8,9 +8,12 @@ A model name is one of:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -108,6 +111,7 @@ def load_causal_lm(
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
+    _ignore_peft_checkpointing_alias()
     if path_or_id.startswith(TINY_PREFIX):
         return tiny.build_tiny_model(tiny.build_tiny_tokenizer(), **_parse_tiny(path_or_id, key)).to(torch_dtype)
     if path_or_id.startswith(shapes.RANDOM_PREFIX):
@@ -123,6 +127,17 @@ def load_causal_lm(
     if "gguf_file" in kwargs:
         release_freed_memory()  # the dequantised numpy copies are garbage now; hand their pages back
     return model.eval()
+
+
+def _ignore_peft_checkpointing_alias() -> None:
+    """peft (0.21) builds a PeftModel by reading `model.is_gradient_checkpointing`, which transformers 5 renamed
+    to `is_activation_checkpointing` and deprecated with a FutureWarning ("`is_gradient_checkpointing` is
+    deprecated and will be removed in v6"), once per `get_peft_model` (actor.lora, in every actor worker).
+    Nothing a user can change: the alias is peft's to drop. Only this message is ignored, and only from
+    transformers' modeling_utils where it is raised. Registered when a model is loaded (the model peft wraps is
+    one this module loaded), not at import: a `warnings.catch_warnings()` around an import would undo it."""
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+                            module=r"transformers\.modeling_utils")
 
 
 def release_freed_memory(collect: bool = True) -> None:
@@ -258,10 +273,49 @@ def _hub_reachable() -> bool:
 def _from_pretrained(auto_cls: type, what: str, name: str, source: str, *,  # noqa: ANN202
                      key: str | None = None, **kwargs: object):
     try:
-        return auto_cls.from_pretrained(source, **kwargs)
+        with _no_progress_bars(local=Path(source).exists()):
+            return auto_cls.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:  # hub, file-format and config errors all land here
         hint = "" if Path(source).exists() else f"\nHint: {_OFFLINE_HINT}."
         raise ModelPathError(f"could not load a {what} from {_label(name, key)}: {err}{hint}") from err
+
+
+@contextlib.contextmanager
+def _no_progress_bars(local: bool) -> Iterator[None]:
+    """No progress bars while a model loads from local files: transformers' "Loading weights" and the GGUF
+    "Converting and de-quantizing GGUF tensors" bar (272 tensors for SmolLM2-135M). In a Ray worker each refresh
+    of a bar reaches the driver's output as a line of its own (~18 lines per load), and a local load takes
+    seconds: nothing for a person to watch. A hub id may download: its bars (huggingface_hub's, and transformers')
+    stay, the one sign of life of a long download.
+
+    transformers' own switch (`disable_progress_bar`) covers "Loading weights"; the GGUF loop calls
+    `tqdm.auto.tqdm` directly (transformers 5.x, modeling_gguf_pytorch_utils), so that module's `tqdm` is
+    replaced by a disabled one for the duration of the load and put back after."""
+    from transformers.utils import logging as hf_logging
+
+    if not local or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils = _gguf_utils_module()
+    bar = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        hf_logging.enable_progress_bar()
+
+
+def _gguf_utils_module() -> object | None:
+    """transformers' GGUF loader module, or None where it cannot be imported (an old transformers)."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        return None
+    return gguf_utils
 
 
 def _require(package: str, name: str, key: str | None = None) -> None:

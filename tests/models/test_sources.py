@@ -69,3 +69,40 @@ def test_chat_template_and_special_tokens(smol):
                                   add_generation_prompt=True, tokenize=False)
     assert own.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert tok.eos_token == "<|im_end|>" and tok.pad_token_id == tok.eos_token_id and tok.padding_side == "left"
+
+
+@needs_smol
+@pytest.mark.slow  # loads SmolLM2-135M again (~20 s): the `smol` fixture's load is not the one captured here
+def test_loading_smollm2_with_lora_prints_no_progress_bar_or_future_warning(capfd):
+    """What an actor worker of examples/grpo_smollm2_lora.yaml does: tokenizer, model, then LoRA. Before, its
+    output had the GGUF "Converting and de-quantizing GGUF tensors" bar, transformers' "Loading weights" bar
+    (~18 lines through Ray) and peft's FutureWarning about `is_gradient_checkpointing`."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from fleetrl.config.schema import LoraConfig
+    from fleetrl.models.lora import apply_lora
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)  # any FutureWarning is caught, but for the one hf.py hides
+        load_tokenizer("smollm2-135m", key="model.path")
+        model = load_causal_lm("smollm2-135m", key="model.path")
+        apply_lora(model, LoraConfig(rank=16, alpha=32.0))
+    out, err = capfd.readouterr()
+    assert "it/s" not in err + out and "Loading weights" not in err and "de-quantizing" not in err, err[-2000:]
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+    assert hf_logging.is_progress_bar_enabled()  # the switch is only off during the load
+
+
+def test_a_local_load_prints_no_progress_bar_and_leaves_bars_on(tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+
+    from fleetrl.models.tiny import save_tiny
+
+    save_tiny(tmp_path, seed=1)
+    capfd.readouterr()  # saving has a bar of its own ("Writing model shards"): not this test's business
+    load_causal_lm(str(tmp_path))
+    _, err = capfd.readouterr()
+    assert "Loading weights" not in err and "it/s" not in err, err[-2000:]
+    assert hf_logging.is_progress_bar_enabled()
