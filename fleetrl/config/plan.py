@@ -333,12 +333,21 @@ def _pool_plan(name: str, pc: PoolConfig, roles: tuple[str, ...]) -> PoolPlan:
 def _batch_arithmetic(cfg: RunConfig, world: dict[str, int]) -> tuple[int, int, int, int]:
     n, prompts = cfg.rollout.n, cfg.data.prompts_per_step
     samples = prompts * n
+    # A GRPO group (a prompt and its n samples) is never split across ranks (batch.py GroupPartition): every
+    # data-parallel role gets whole prompts, as many on each rank.
     for role, dp in world.items():
         if role == "reward_model" and samples % dp:  # scores samples, not groups
             raise ConfigError(
                 f"data.prompts_per_step × rollout.n = {prompts} × {n} = {samples} samples do not split over the "
                 f"{dp} data-parallel workers of role '{role}'; make data.prompts_per_step a multiple of "
                 f"{dp // _gcd(dp, n)} or change that pool's nodes/workers_per_node")
+        # an async rollout pool takes chunks of whole groups one worker at a time (trainer/pipeline.py)
+        skip = role == "reward_model" or (role == "rollout" and cfg.trainer.mode == "async")
+        if not skip and prompts % dp:
+            raise ConfigError(
+                f"data.prompts_per_step={prompts} prompts (each a group of rollout.n={n} samples, never split) do not "
+                f"divide over the {dp} data-parallel workers of role '{role}'; make data.prompts_per_step a "
+                f"multiple of {dp} or change that pool's nodes/workers_per_node")
     mini_prompts = cfg.algorithm.mini_batch_prompts or prompts
     if prompts % mini_prompts:
         raise ConfigError(f"algorithm.mini_batch_prompts={mini_prompts} does not divide data.prompts_per_step="
@@ -377,21 +386,12 @@ def _packing(cfg: RunConfig) -> int | None:
     one_of("actor.packed_attention", a.packed_attention,
             ["auto", "varlen", "segments", "flex_attention", "flash_attention_2", "flash_attention_3", "sdpa", "eager"])
     if a.packed_attention in ("varlen", "segments") and a.forward != "native":
-    # A GRPO group (a prompt and its n samples) is never split across ranks (batch.py GroupPartition): every
-    # data-parallel role gets whole prompts, as many on each rank.
         raise ConfigError(f"actor.packed_attention={a.packed_attention} is the native forward's (models/"
                           f"{a.packed_attention}.py); with actor.forward=hf choose auto, flex_attention, "
                           "flash_attention_2, sdpa or eager, or set actor.forward=native")
     return budget
 
 
-        # an async rollout pool takes chunks of whole groups one worker at a time (trainer/pipeline.py)
-        skip = role == "reward_model" or (role == "rollout" and cfg.trainer.mode == "async")
-        if not skip and prompts % dp:
-            raise ConfigError(
-                f"data.prompts_per_step={prompts} prompts (each a group of rollout.n={n} samples, never split) do not "
-                f"divide over the {dp} data-parallel workers of role '{role}'; make data.prompts_per_step a "
-                f"multiple of {dp} or change that pool's nodes/workers_per_node")
 def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
