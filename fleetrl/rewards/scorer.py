@@ -1,5 +1,6 @@
-"""Controller-side scoring: decode responses, route each sample to its scorer (or remote servers), count
-failures. A failing or hanging reward function scores `rewards.default_score` and shows up in the metrics."""
+"""Scoring a batch's responses, on the controller or on each rank (the rank-local step): decode responses, route
+each sample to its scorer (or remote servers), count failures. A failing or hanging reward function scores
+`rewards.default_score` and shows up in the metrics."""
 from __future__ import annotations
 
 from itertools import compress

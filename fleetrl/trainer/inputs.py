@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetrl.config.plan import Plan
+from fleetrl.rewards.scorer import RewardScorer
 from fleetrl.trainer.feed import PromptFeed
-from fleetrl.trainer.rewards import RewardScorer
 
 
 @dataclass

@@ -8,9 +8,9 @@ import numpy as np
 from fleetrl.batch import Batch
 from fleetrl.cluster.group import WorkerGroup
 from fleetrl.config.plan import Plan
+from fleetrl.rewards.scorer import RewardScorer
 from fleetrl.trainer.feed import PromptFeed
 from fleetrl.trainer.metrics import pass_at_k
-from fleetrl.trainer.rewards import RewardScorer
 from fleetrl.workers.episodes import generate_keys
 from fleetrl.workers.messages import GenerateRequest
 from fleetrl.workers.worker import Worker

@@ -11,7 +11,7 @@ from fleetrl.config import derive_plan, load_config
 from fleetrl.config.load import ConfigError
 from fleetrl.envs.check import check_env_config
 from fleetrl.trainer.metrics import episode_metrics
-from fleetrl.trainer.rewards import RewardScorer
+from fleetrl.rewards.scorer import RewardScorer
 from fleetrl.trainer.run import plan_for
 
 EXAMPLE = "examples/tools_lookup_tiny.yaml"

@@ -7,7 +7,7 @@ import torch
 from fleetrl.batch import Batch
 from fleetrl.config.schema import RunConfig
 from fleetrl.models import shapes, tiny
-from fleetrl.trainer.rewards import RewardScorer, batch_decode
+from fleetrl.rewards.scorer import RewardScorer, batch_decode
 
 
 def per_row(tokenizer, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
