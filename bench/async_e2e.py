@@ -60,6 +60,7 @@ def worker_setup() -> None:
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     overrides = [f"trainer.total_steps={args.warmup + args.steps}", "data.prompts_per_step=64",
                  f"rollout.max_new_tokens={args.max_len}", "cluster.backend=ray", "tracking.console=false",
+                 "trainer.save_last=false",  # a benchmark is never resumed: no checkpoint of its last step
                  *(CPU if args.smoke else GPU)[mode], *(SMOKE if args.smoke else []), *args.overrides]
     run_dir = Path(f"/tmp/fleetrl-async-bench-{mode}-{int(time.time())}")
     overrides.append(f"trainer.output_dir={run_dir}")

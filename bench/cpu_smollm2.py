@@ -102,7 +102,8 @@ def ensure_data(folder: Path) -> None:
 def overrides(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
     items = [f"cluster.backend={args.backend}", f"data.train={data / 'train.parquet'}",
              f"data.val={data / 'val.parquet'}", f"trainer.total_steps={args.steps}", "trainer.val_before_train=false",
-             "trainer.val_every=0", f"trainer.output_dir={out}", "trainer.save_every=0", "tracking.tensorboard=false",
+             "trainer.val_every=0", f"trainer.output_dir={out}", "trainer.save_every=0", "trainer.save_last=false",
+             "tracking.tensorboard=false",
              "tracking.progress=false", f"cluster.pools.main.cpus_per_worker={args.threads}"]
     optional = {"model.dtype": args.dtype, "rollout.engine": args.engine, "algorithm.micro_batch_size": args.micro,
                 "actor.autocast": args.autocast and repr(args.autocast),  # repr: YAML reads a bare off as False

@@ -62,7 +62,8 @@ def main() -> None:
     g = args.gpus
     overrides = [f"rollout.engine={args.engine}", f"trainer.total_steps={args.steps}",
                  f"data.prompts_per_step={32 * g}", f"cluster.pools.main.workers_per_node={g}",
-                 f"cluster.backend={'local' if g == 1 else 'ray'}", "tracking.console=false"]
+                 f"cluster.backend={'local' if g == 1 else 'ray'}", "tracking.console=false",
+                 "trainer.save_last=false"]  # a benchmark is never resumed: no checkpoint of its last step
     if args.lengths == "longtail":
         overrides.append(f"rollout.max_new_tokens={args.max_len}")
     overrides += args.overrides

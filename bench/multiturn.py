@@ -59,6 +59,7 @@ def main() -> None:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
     run_dir = Path(f"/tmp/fleetrl-multiturn-{args.engine}-{int(time.time())}")
     overrides = [f"rollout.engine={args.engine}", f"trainer.total_steps={args.steps}", "tracking.console=false",
+                 "trainer.save_last=false",  # a benchmark is never resumed: no checkpoint of its last step
                  f"rollout.max_new_tokens={args.turn_tokens}", f"rollout.env.max_turns={args.turns}",
                  f"rollout.env.kwargs.turns={args.turns}", f"rollout.env.kwargs.observation_words={args.obs_words}",
                  f"rollout.env.kwargs.latency_s={args.latency_s}", *(SMOKE if args.smoke else []),

@@ -28,7 +28,7 @@ def measure(backend: str, steps: int, config: str) -> dict:
     plan = derive_plan(load_config(config, [f"cluster.backend={backend}", f"trainer.total_steps={steps}",
                                             "trainer.val_every=0", "data.val=null", "tracking.console=false",
                                             "tracking.progress=false", "tracking.tensorboard=false",
-                                            f"trainer.output_dir={out}"]))
+                                            "trainer.save_last=false", f"trainer.output_dir={out}"]))
     run_plan(plan, out)
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/time/step" in r][3:]  # first steps warm up caches

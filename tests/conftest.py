@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "tests/integration/test_tool_learning.py",       # ~200: 2 seeds x 60 steps
     "tests/integration/test_learning.py",            # ~180: 3 estimators x 80 steps
     "tests/integration/test_learning_ratio.py",      # ~160: PPO+GAE 120 steps, GSPO 80 steps
+    "tests/integration/test_last_checkpoint.py",     # ~135 alone: Ctrl-C of a `fleetrl train` subprocess, its resume
     "tests/engines/test_fast_sampling.py",           # ~60: Triton sampler in the interpreter
     "tests/integration/test_async_ops.py",
     "tests/integration/test_watchdog.py",

@@ -110,7 +110,8 @@ def cluster_down(state_file: Optional[Path] = StateFile) -> None:
 def doctor(
     config: Optional[Path] = typer.Argument(None, help="Run config: checks its placement against the cluster."),
     address: Optional[str] = typer.Option(None, "--address", help="GCS address HOST:PORT (default: this node's "
-                                                                  "`cluster up` state, then cluster.address)."),
+                                                                  "`cluster up` state, then cluster.address, "
+                                                                  "else this machine through a local Ray)."),
     checkpoint_path: Optional[Path] = typer.Option(None, "--checkpoint-path", help="Default: trainer.output_dir "
                                                                                    "or ./runs."),
     token_file: Optional[Path] = TokenFile,
@@ -118,10 +119,13 @@ def doctor(
     min_free_gb: float = typer.Option(20.0, "--min-free-gb"),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds per probe / all-reduce."),
 ) -> None:
-    """Check the cluster: versions, GPUs, env, placement, shared filesystem, ports, all-reduce, disk."""
-    from fleetrl.cluster.doctor import DoctorOptions, render, resolve_targets, run_doctor
+    """Check the cluster: versions, GPUs, env, placement, shared filesystem, ports, all-reduce, disk. With no
+    cluster running, check this machine (through a local Ray, as `fleetrl train` starts one)."""
+    from fleetrl.cluster.doctor import DoctorOptions, local_cpus, local_note, render, resolve_targets, run_doctor
 
     address, checkpoint_path, token_file = resolve_targets(config, address, checkpoint_path, state_file, token_file)
+    if address is None:
+        err_console.print(Text(local_note(local_cpus(config))), soft_wrap=True)
     results = run_doctor(DoctorOptions(address=address, checkpoint_path=checkpoint_path, config_path=config,
                                        min_free_gb=min_free_gb, timeout_s=timeout), _token(token_file))
     if not render(results, console):

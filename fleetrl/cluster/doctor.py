@@ -1,4 +1,6 @@
-"""`fleetrl doctor`: checks a running cluster against what a run needs, one row per check with its fix.
+"""`fleetrl doctor`: checks a running cluster against what a run needs, one row per check with its fix. With no
+cluster to check (no --address, no `fleetrl cluster up` on this node, no cluster.address), it checks this machine
+through a local Ray started for the check, as `fleetrl train` starts one.
 
 Facts are gathered once (one probe task pinned to each node, one all-reduce across one actor per node);
 each check is then a small function from those facts to a CheckResult, so checks are tested without a
@@ -6,6 +8,7 @@ cluster. Probes ask for no CPU so they run even on a cluster busy with a trainin
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -16,13 +19,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+# How machines become one cluster: the head prints the exact join command (its address and token file).
+MULTI_NODE = ("`fleetrl cluster up --head` on the head node, then the join command it prints (`fleetrl cluster up "
+              "--address HEAD_IP:6379 --token-file ...`) on each other node")
 HEAD_RESOURCE = "node:__internal_head__"  # Ray gives this resource to the head node only
 GB = 1024**3
 
@@ -67,7 +73,8 @@ class NodeProbe:
 
 @dataclass(frozen=True, kw_only=True)
 class DoctorOptions:
-    address: str
+    address: str | None
+    """None: no cluster to check; this machine is checked through a local Ray started for the check."""
     checkpoint_path: Path
     config_path: Path | None = None
     min_free_gb: float = 20.0
@@ -126,8 +133,8 @@ def check_placement(plan: Any, nodes: list[NodeInfo]) -> CheckResult:
         check_feasible(list(plan.pools.values()), capacity)
     except PlacementError as e:
         return CheckResult("placement", False, str(e),
-                           "lower cluster.pools.<pool>.nodes / workers_per_node / gpus_per_worker, or add nodes "
-                           "with `fleetrl cluster up --address HEAD:PORT`")
+                           "lower cluster.pools.<pool>.nodes / workers_per_node / gpus_per_worker, or add nodes: "
+                           f"{MULTI_NODE} (a node joins a running head with `fleetrl cluster up --address HEAD:PORT`)")
     return CheckResult("placement", True, ", ".join(f"{name}: {p.nodes}×{p.bundles_per_node} bundles"
                                                     for name, p in plan.pools.items()) or "no pools")
 
@@ -141,6 +148,8 @@ def check_shared_fs(path: Path, probes: list[NodeProbe], seen_by_head: set[str])
         return CheckResult("shared filesystem", False, f"{path}: {'; '.join(problems)}",
                            "put the checkpoint path on a filesystem every node mounts at the same path "
                            "(NFS, Lustre, ...) and set trainer.output_dir / --checkpoint-path to it")
+    if len(probes) == 1:
+        return CheckResult("shared filesystem", True, f"{path} writable; one node: nothing to share")
     return CheckResult("shared filesystem", True, f"{path} shared by {len(probes)} node(s)")
 
 
@@ -150,6 +159,8 @@ def check_ports(probes: list[NodeProbe]) -> CheckResult:
         return CheckResult("ports", False, "; ".join(bad),
                            "open these TCP ports between the nodes (firewall / security group), or check "
                            "that each node advertises a reachable --node-ip-address")
+    if len(probes) == 1:
+        return CheckResult("ports", True, "one node: no other node's ports to reach")
     return CheckResult("ports", True, "every node reaches the others' Ray ports")
 
 
@@ -176,13 +187,13 @@ def allreduce_result(timing: Mapping[str, float] | None, error: str | None, *, b
 
 # --------------------------------------------------------------------------------------------- the driver
 def run_doctor(opts: DoctorOptions, token: Any = None) -> list[CheckResult]:
-    """Connects to the cluster at opts.address, gathers facts, runs every check."""
+    """Connects to the cluster at opts.address (no address: starts a local Ray), gathers facts, runs every check."""
     from fleetrl.cluster.up import connected
 
     results: list[CheckResult] = []
     path = Path(opts.checkpoint_path).expanduser().resolve()
-    with connected(opts.address, token) as ray:
-        nodes = _alive_nodes(ray, opts.address)
+    with connected(opts.address, token) if opts.address else _local_ray(opts.config_path) as ray:
+        nodes = _alive_nodes(ray, opts.address or "")
         probes, seen, probe_error = _gather_probes(ray, nodes, path, opts.timeout_s)
         if probe_error:
             results.append(CheckResult("probe", False, probe_error,
@@ -197,10 +208,41 @@ def run_doctor(opts: DoctorOptions, token: Any = None) -> list[CheckResult]:
     return results
 
 
+def local_note(cpus: int | None) -> str:
+    """What `fleetrl doctor` says before checking this machine instead of a cluster."""
+    return (f"no cluster to check (no --address, no `fleetrl cluster up` on this node, no cluster.address in the "
+            f"config): checking this machine through a local Ray with {cpus or os.cpu_count()} CPUs, as `fleetrl "
+            f"train` starts one. To run on several machines: {MULTI_NODE}; then run `fleetrl doctor` on the head")
+
+
+def local_cpus(config_path: Path | None) -> int | None:
+    """cluster.num_cpus of the config: the CPUs `fleetrl train` gives the local Ray it starts (None: all)."""
+    if config_path is None:
+        return None
+    from fleetrl.config import load_config
+
+    return load_config(config_path).cluster.num_cpus
+
+
+@contextlib.contextmanager
+def _local_ray(config_path: Path | None) -> Iterator[Any]:
+    """A local Ray for the check, sized like the one `fleetrl train` starts; shut down afterwards."""
+    import ray
+
+    # address="local": never joins a cluster a stale file points to (what cluster.address unset means to train)
+    ray.init(address="local", num_cpus=local_cpus(config_path) or os.cpu_count(), include_dashboard=False,
+             log_to_driver=False, logging_level="WARNING", configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
 def resolve_targets(config_path: Path | None, address: str | None, checkpoint_path: Path | None,
-                    state_file: Path | None, token_file: Path | None) -> tuple[str, Path, Path | None]:
+                    state_file: Path | None, token_file: Path | None) -> tuple[str | None, Path, Path | None]:
     """Fills what the user left out: address and token file from this node's `cluster up` state, else the
-    config's cluster.address; checkpoint path from trainer.output_dir, else ./runs."""
+    config's cluster.address, else None (no cluster: check this machine); checkpoint path from
+    trainer.output_dir, else ./runs."""
     from fleetrl.cluster.up import default_state_file, read_state
 
     state = read_state(state_file or default_state_file())
@@ -211,9 +253,10 @@ def resolve_targets(config_path: Path | None, address: str | None, checkpoint_pa
         cfg = load_config(config_path)
     if address is None:
         address = state.address if state else (cfg.cluster.address if cfg else None)
-    if not address or address == "auto":
-        raise ValueError("no cluster to check: pass --address HEAD_IP:PORT, run on a node started with "
-                         "`fleetrl cluster up`, or set cluster.address in the config")
+    if address == "auto":  # a run's way to join the cluster it is submitted to: doctor needs the head's address
+        raise ValueError(f"cluster.address=auto names no cluster to check: pass --address HEAD_IP:PORT, or run "
+                         f"`fleetrl doctor` on a head started with `fleetrl cluster up --head` (multi-node: "
+                         f"{MULTI_NODE})")
     if checkpoint_path is None:
         checkpoint_path = Path(cfg.trainer.output_dir) if cfg and cfg.trainer.output_dir else Path("runs")
     if token_file is None and state is not None and state.token_file:

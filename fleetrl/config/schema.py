@@ -306,7 +306,7 @@ class TrainerConfig:
     val_every: int = 5
     val_before_train: bool = True
     save_every: int = 0
-    """0 = no periodic checkpoints."""
+    """Checkpoint every N steps (0 = no periodic checkpoints). The last step is checkpointed anyway: see save_last."""
     seed: int = 0
     name: str = "run"
     output_dir: str | None = None
@@ -326,9 +326,11 @@ class TrainerConfig:
     """Automatic recoveries from a lost worker/node before the run gives up."""
     restart_wait_s: float = 120.0
     """How long a recovery waits for the cluster to have room for the plan again."""
-    checkpoint_on_signal: Literal["sigterm", "always", "never"] = "sigterm"
-    """Save a checkpoint when a stop signal arrives (after the current step): on SIGTERM only (what SLURM and
-    Kubernetes send before preemption), on SIGINT too, or never."""
+    save_last: bool = True
+    """Checkpoint the last complete step when the run ends (total_steps) or stops on SIGINT (Ctrl-C) or SIGTERM
+    (what SLURM and Kubernetes send before preemption), whatever save_every says; a step is never saved twice.
+    false: only save_every's checkpoints, for a run never meant to be resumed or exported (a benchmark, a
+    throwaway sweep point); a stopped run then has nothing to continue from."""
     on_nonfinite: Literal["skip", "abort"] = "skip"
     """What a NaN/inf loss or gradient does to the update."""
     mode: Literal["sync", "async"] = "sync"

@@ -12,7 +12,7 @@ from fleetrl.config import Plan, derive_plan, load_config, redacted_dict, write_
 from fleetrl.config.schema import RunConfig
 from fleetrl.envs.check import check_env_config
 from fleetrl.tracking.tracker import Tracker
-from fleetrl.trainer.rundir import claim_run_dir
+from fleetrl.trainer.rundir import check_reuse, claim_run_dir
 from fleetrl.trainer.signals import Interrupted, StopSignal
 
 if TYPE_CHECKING:
@@ -53,10 +53,10 @@ def plan_for(cfg: RunConfig) -> Plan:
 
 
 def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
-    """Checks the models, reads the data, checks rewards and finds the checkpoint to resume BEFORE creating the run
-    directory or starting Ray (a bad file fails in seconds and leaves nothing behind), then claims the directory,
-    starts Ray and runs under the supervisor. A start that fails before any metric or checkpoint removes the
-    directory it created."""
+    """Checks the models, finds the checkpoint to resume (and whether the directory may take this run), reads the
+    data and checks rewards BEFORE creating the run directory or starting Ray (a bad file fails in seconds and
+    leaves nothing behind), then claims the directory, starts Ray and runs under the supervisor. A start that fails
+    before any metric or checkpoint removes the directory it created."""
     # Heavy imports (torch, transformers, Ray) only after the config was validated: a bad flag fails in ~1 s.
     from fleetrl.trainer.inputs import RunInputs  # the tokenizer, so transformers (~4 s of a bad flag's ~7 s)
 
@@ -64,16 +64,20 @@ def run_plan(plan: Plan, out_dir: Path | None = None) -> dict[str, float]:
     if out_dir is not None:
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, output_dir=str(out_dir)))
     check_models(cfg)
+    # A broken checkpoint, or a directory this run must not be mixed into, fails here in about a second, before the
+    # data is read: no directory yet, no Ray (the Trainer loads the checkpoint; claim_run_dir checks again, locked).
+    start = _resume_point(cfg)
+    if cfg.trainer.output_dir and Path(cfg.trainer.output_dir).is_dir():
+        check_reuse(Path(cfg.trainer.output_dir), cfg, start)
     inputs = RunInputs.load(plan)
     try:
-        _resume_point(cfg)  # a broken or mismatched checkpoint fails here: no directory yet (Trainer loads it)
-        run_dir = claim_run_dir(cfg)
+        run_dir = claim_run_dir(cfg, start)
     except BaseException:
         inputs.scorer.close()
         raise
     failed = True
     try:
-        last = _run_in(plan, cfg, run_dir.path, inputs)
+        last = _run_in(plan, cfg, run_dir.path, inputs, start)
         failed = False
         return last
     finally:
@@ -87,18 +91,17 @@ def _resume_point(cfg: RunConfig) -> Path | None:
     return find_resume(Path(t.output_dir) if t.output_dir else None, t.resume)
 
 
-def _run_in(plan: Plan, cfg: RunConfig, out: Path, inputs: RunInputs) -> dict[str, float]:
+def _run_in(plan: Plan, cfg: RunConfig, out: Path, inputs: RunInputs, start: Path | None) -> dict[str, float]:
     from fleetrl.cluster.runtime import ensure_ray
     from fleetrl.trainer.supervisor import Supervisor
 
-    write_config(out / "config.yaml", cfg)  # secrets redacted, mode 0600
+    if start is None:  # a resumed run's config.yaml is replaced once its checkpoint has loaded (Trainer.maybe_resume)
+        write_config(out / "config.yaml", cfg)  # secrets redacted, mode 0600
     tracker = Tracker(out, cfg.tracking, redacted_dict(cfg), cfg.trainer.name)
     tracker.console.print(Text(f"fleetrl run directory: {out}"), soft_wrap=True)
-    if cfg.trainer.resume == "auto" and not cfg.trainer.output_dir:
-        # A fresh timestamped directory never holds a checkpoint: without this line `auto` looks like it works.
-        tracker.say(f"trainer.resume=auto found nothing to resume: trainer.output_dir is unset, so this run got the "
-                    f"new directory {out}; to resume a run, set trainer.output_dir to its directory (e.g. "
-                    f"trainer.output_dir={out} trainer.resume=auto)", label=("notice", "yellow"))
+    notice = _nothing_to_resume(cfg, out, start)
+    if notice:
+        tracker.say(notice, label=("notice", "yellow"))
     started = False
     try:
         started = ensure_ray(cfg.cluster)
@@ -108,8 +111,10 @@ def _run_in(plan: Plan, cfg: RunConfig, out: Path, inputs: RunInputs) -> dict[st
         _summary(tracker, out)
         return last
     except Interrupted as e:
-        tracker.console.print(Text(f"{e}; continue with: fleetrl train <config> ... trainer.output_dir={out} "
-                                   f"trainer.resume=auto"), soft_wrap=True)
+        how = (f"continue with: fleetrl train <config> ... trainer.output_dir={out} trainer.resume=auto"
+               if e.checkpoint_step is not None else "no checkpoint to continue from (trainer.save_last=false); "
+               "a new run needs a new trainer.output_dir")
+        tracker.console.print(Text(f"{e}; {how}"), soft_wrap=True)
         raise
     finally:
         tracker.close()
@@ -117,6 +122,22 @@ def _run_in(plan: Plan, cfg: RunConfig, out: Path, inputs: RunInputs) -> dict[st
             import ray
 
             ray.shutdown()
+
+
+def _nothing_to_resume(cfg: RunConfig, out: Path, start: Path | None) -> str | None:
+    """One line when trainer.resume=auto found no checkpoint: without it `auto` looks like it worked. (A directory
+    whose metrics.jsonl has records got here only after a restart event: check_reuse refuses it otherwise.)"""
+    if cfg.trainer.resume != "auto" or start is not None:
+        return None
+    if not cfg.trainer.output_dir:  # a fresh timestamped directory never holds a checkpoint
+        return (f"trainer.resume=auto found nothing to resume: trainer.output_dir is unset, so this run got the new "
+                f"directory {out}; to resume a run, set trainer.output_dir to its directory (e.g. "
+                f"trainer.output_dir={out} trainer.resume=auto)")
+    metrics = out / "metrics.jsonl"
+    again = metrics.is_file() and metrics.stat().st_size > 0
+    return (f"trainer.resume=auto found no checkpoint in {out}: "
+            + ("starting again at step 0 after the restart event in its metrics.jsonl" if again
+               else "starting a new run at step 0"))
 
 
 def _summary(tracker: Tracker, out: Path) -> None:

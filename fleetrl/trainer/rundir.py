@@ -2,7 +2,9 @@
 
 - Default `runs/<name>-<YYYYmmdd-HHMMSS-mmm>-s<seed>-<random>`: seeded runs launched together get distinct
   directories (created atomically with mkdir, so a collision is retried, never shared).
-- An explicit trainer.output_dir that already holds a run is refused unless trainer.resume says to continue it.
+- An explicit trainer.output_dir that already holds a run is refused unless trainer.resume says to continue it;
+  `auto` with no checkpoint to continue from is refused too when it would append a second, unmarked run to the
+  directory's metrics.jsonl.
 - A lock (flock on RUN/.lock) refuses a second live run in the same directory.
 - A start that fails before the run wrote a metric or a checkpoint removes the directory it created (and an
   existing directory it only added files to does not count as holding a run), so the same command can be rerun.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -46,8 +49,9 @@ class RunDir:
         self.lock.close()
 
 
-def claim_run_dir(cfg: RunConfig) -> RunDir:
-    """Creates (or re-opens, when resuming) the run directory and locks it."""
+def claim_run_dir(cfg: RunConfig, start: Path | None = None) -> RunDir:
+    """Creates (or re-opens, when resuming) the run directory and locks it. `start`: the checkpoint the run
+    resumes from (find_resume's answer), None for a run from step 0."""
     explicit = Path(cfg.trainer.output_dir) if cfg.trainer.output_dir else None
     created = explicit is None or not explicit.exists()
     out = explicit or _fresh(cfg)
@@ -64,11 +68,28 @@ def claim_run_dir(cfg: RunConfig) -> RunDir:
         raise RunDirError(f"another fleetrl run (pid {lock.read().strip() or '?'}) is writing to {out}; give this "
                           f"run its own trainer.output_dir (or leave it unset for a unique one)") from None
     lock.seek(0), lock.truncate(), lock.write(str(os.getpid())), lock.flush()
-    if cfg.trainer.resume == "never" and _holds_a_run(out):
+    try:
+        check_reuse(out, cfg, start)  # again under the lock: what another run wrote before it is counted too
+    except RunDirError:
         lock.close()
+        raise
+    return RunDir(out, lock, created)
+
+
+def check_reuse(out: Path, cfg: RunConfig, start: Path | None) -> None:
+    """Refuses to mix this run into `out` when it holds another: with trainer.resume=never, and with `auto` that
+    found no checkpoint (`start` None) where metrics.jsonl already has records. The one exception is a
+    metrics.jsonl whose last record is a `restart` event: `fleetrl sweep` writes one before it retries a run from
+    scratch, so readers know the steps that follow supersede the earlier ones."""
+    if cfg.trainer.resume == "never" and _holds_a_run(out):
         raise RunDirError(f"{out} already holds a run (metrics.jsonl / checkpoints); continue it with "
                           f"trainer.resume=auto, or choose another trainer.output_dir.{_config_diff(out, cfg)}")
-    return RunDir(out, lock, created)
+    last = _last_record(out / "metrics.jsonl")
+    if cfg.trainer.resume == "auto" and start is None and last is not None and last.get("event") != "restart":
+        raise RunDirError(f"trainer.resume=auto: {out} holds a run (metrics.jsonl up to step {last.get('step', '?')}) "
+                          f"but no complete checkpoint to continue it from, and starting again at step 0 would append "
+                          f"a second run to its metrics.jsonl; to start a new run, pass a new trainer.output_dir "
+                          f"(or delete {out} first)")
 
 
 def _fresh(cfg: RunConfig) -> Path:
@@ -100,6 +121,24 @@ def _holds_a_run(out: Path) -> bool:
     # An empty metrics.jsonl is what a start that failed before its first record leaves: nothing to lose.
     metrics = out / "metrics.jsonl"
     return (metrics.is_file() and metrics.stat().st_size > 0) or any((out / "checkpoints").glob("step_*"))
+
+
+def _last_record(metrics: Path) -> dict | None:
+    """The last complete JSON record of a metrics.jsonl (None when there is none); reads only its tail."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn last line (a killed process), or the cut first line of the tail
+            continue
+        if isinstance(record, dict):
+            return record
+    return None
 
 
 def _config_diff(out: Path, cfg: RunConfig) -> str:

@@ -1,6 +1,6 @@
-"""Stopping on request: the first SIGINT/SIGTERM lets the current step finish, saves a checkpoint (per
-trainer.checkpoint_on_signal; SLURM preemption sends SIGTERM) and stops with a message saying how to continue; a
-second signal stops at once."""
+"""Stopping on request: the first SIGINT (Ctrl-C) or SIGTERM (SLURM and Kubernetes preemption) lets the current
+step finish, checkpoints it (unless trainer.save_last is off) and stops with a message saying how to continue; a
+second signal stops at once, without that checkpoint."""
 from __future__ import annotations
 
 import signal
@@ -44,5 +44,5 @@ class StopSignal:
         if self.signum is not None:
             raise KeyboardInterrupt  # the second signal: stop now, without the checkpoint
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after the current step (send it again to stop at once)",
-              file=sys.stderr, flush=True)
+        print(f"\n{signal.Signals(signum).name}: stopping after the current step (send it again to stop at once, "
+              f"without a checkpoint)", file=sys.stderr, flush=True)

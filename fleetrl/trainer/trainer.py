@@ -242,10 +242,15 @@ class Trainer:
 
             broadcast_weights(self.group("actor"), self.group("rollout"), version, self.cfg.cluster.init_timeout_s)
 
-    def checkpoint(self, force: bool = False) -> None:
+    def checkpoint(self, *, stopping: bool = False) -> None:
+        """Saves this step when it is a multiple of trainer.save_every or, with trainer.save_last, the run's last
+        (the steps after the last multiple are not lost, and `fleetrl export` has the final weights). `stopping`:
+        stop_now's call, which comes right after the loop's own call for the same step, so it saves (with
+        save_last) only a step that call did not: no step is saved twice."""
         t = self.cfg.trainer
-        # The last step is always saved when checkpoints are on: the steps after the last multiple are not lost.
-        if force or (t.save_every and (self.step % t.save_every == 0 or self.step == self.plan.total_steps)):
+        due = (bool(t.save_every) and self.step % t.save_every == 0) or (t.save_last and
+                                                                      self.step == self.plan.total_steps)
+        if (t.save_last and not due) if stopping else due:
             with self._timed("checkpoint"):
                 from fleetrl.checkpoint.manager import save_checkpoint
 
@@ -259,11 +264,16 @@ class Trainer:
 
     def maybe_resume(self) -> None:
         from fleetrl.checkpoint.manager import find_resume, load_checkpoint
+        from fleetrl.config import write_config
 
         path = find_resume(self.out_dir, self.resume)
         if path is None:
             return
         diff = load_checkpoint(path, groups=list(self.groups.values()), state=self.state(), config=self.cfg)
+        # Only now is this config accepted (the workers' load refuses another model's weights): run.py leaves the
+        # run's config.yaml alone when resuming, so a refused resume does not overwrite it. A recovery's resume
+        # writes it again, with the plan the run continues under (the fallback placement's, if it fell back).
+        write_config(self.out_dir / "config.yaml", self.cfg)
         if diff:
             self.tracker.event(self.step, "config_changed_on_resume", diff=diff)
         # Records of steps after this one that metrics.jsonl already holds are superseded by the redone steps.
@@ -271,15 +281,11 @@ class Trainer:
         self._publish_weights()  # the rollout engines must hold the resumed weights and version
 
     def stop_now(self) -> None:
-        """After a stop signal: checkpoint this step (unless it just was, or checkpoint_on_signal says not to)."""
-        import signal
+        """After a stop signal (SIGINT or SIGTERM): checkpoint this step unless trainer.save_last is off, then stop,
+        naming the newest checkpoint to continue from."""
+        from fleetrl.checkpoint.manager import CheckpointError, find_resume
 
-        from fleetrl.checkpoint.manager import CheckpointError, checkpoint_root, find_resume
-
-        policy = self.cfg.trainer.checkpoint_on_signal
-        wanted = policy == "always" or (policy == "sigterm" and self.stop.signum == signal.SIGTERM)
-        if wanted and not (checkpoint_root(self.out_dir) / f"step_{self.step}").is_dir():
-            self.checkpoint(force=True)
+        self.checkpoint(stopping=True)
         try:
             latest = find_resume(self.out_dir, "auto")
         except CheckpointError:  # every checkpoint unusable: still stop, and say there is none

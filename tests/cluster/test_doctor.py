@@ -1,6 +1,10 @@
-"""Each doctor check on hand-made facts (the end-to-end run on two hosts is in test_up_netns.py)."""
+"""Each doctor check on hand-made facts; the CLI with no cluster checking this machine (the end-to-end run on two
+hosts is in test_up_netns.py)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -128,8 +132,41 @@ def test_render_and_cli_exit_code(monkeypatch):
     assert CliRunner().invoke(app, ["doctor", "--address", "h:1"]).exit_code == 0
 
 
-def test_targets_need_an_address(tmp_path, monkeypatch):
+def test_targets_without_a_cluster_mean_this_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
-    with pytest.raises(ValueError, match="pass --address HEAD_IP:PORT"):
-        dr.resolve_targets(None, None, None, tmp_path / "none.json", None)
+    assert dr.resolve_targets(None, None, None, tmp_path / "none.json", None) == (None, Path("runs"), None)
     assert dr.resolve_targets(None, "h:1", None, tmp_path / "none.json", None) == ("h:1", Path("runs"), None)
+    auto = tmp_path / "auto.yaml"
+    auto.write_text("cluster: {address: auto}\n")
+    with pytest.raises(ValueError, match=r"cluster.address=auto names no cluster to check: pass --address "
+                                         r"HEAD_IP:PORT, .* `fleetrl cluster up --head` on the head node, then the "
+                                         r"join command it prints \(`fleetrl cluster up --address HEAD_IP:6379"):
+        dr.resolve_targets(auto, None, None, tmp_path / "none.json", None)
+
+
+def test_no_cluster_checks_this_machine_and_says_how_to_add_machines(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no `cluster up` state file
+    seen = []
+    monkeypatch.setattr(dr, "run_doctor", lambda opts, token: seen.append(opts) or [CheckResult("versions", True, "")])
+    app = typer.Typer()
+    ops.register(app)
+    out = CliRunner().invoke(app, ["doctor", "examples/quickstart.yaml"], env={"COLUMNS": "400"})
+    assert out.exit_code == 0, out.output
+    assert seen[0].address is None and seen[0].checkpoint_path == Path("runs")
+    assert "no cluster to check" in out.output and "checking this machine through a local Ray with" in out.output
+    assert "`fleetrl cluster up --head` on the head node, then the join command it prints" in out.output
+
+
+@pytest.mark.slow  # starts a local Ray (a subprocess, so this process keeps none)
+def test_doctor_right_after_the_quickstart_checks_this_machine(tmp_path):
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "HOME": str(tmp_path), "COLUMNS": "200", "PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, "-m", "fleetrl.cli.main", "doctor", str(repo / "examples/quickstart.yaml"),
+                           "--checkpoint-path", str(tmp_path / "runs"), "--min-free-gb", "0.1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [ln for ln in done.stdout.splitlines() if ln.startswith("│")]
+    checks = {ln.split("│")[2].strip(): ln.split("│")[1].strip() for ln in rows}
+    assert set(checks.values()) == {"✓"} and len(checks) == 8, done.stdout  # every check ran, none failed
+    assert {"versions", "gpus", "shared filesystem", "ports", "disk", "placement"} <= set(checks), done.stdout
+    assert "no cluster to check" in done.stderr

@@ -1,6 +1,10 @@
 """A run that fails to start leaves no run directory behind (or one that can be used again); model names are
 checked under their config key before anything is created; `resume=auto` without trainer.output_dir says it
-cannot resume."""
+cannot resume, and with no checkpoint to resume refuses to append a second run to an existing metrics.jsonl; a
+refused resume leaves the run's config.yaml as it was."""
+import json
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +133,67 @@ def test_a_failed_start_keeps_the_stall_dumps_its_error_points_to(tmp_path):
     (run_dir.path / "stalls" / "step_0" / "rollout_r0.txt").write_text("Thread 1 ...")
     run_dir.release(failed=True)
     assert (run_dir.path / "stalls" / "step_0" / "rollout_r0.txt").is_file()
+
+
+def _metrics(out: Path, *records: dict) -> str:
+    out.mkdir(parents=True)
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    (out / "metrics.jsonl").write_text(text)
+    return text
+
+
+def test_auto_resume_with_no_checkpoint_refuses_to_append_a_second_run(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from fleetrl.cli.main import app
+
+    out = tmp_path / "run"
+    before = _metrics(out, {"step": 1, "train/reward_mean": 0.5}, {"step": 2, "train/reward_mean": 0.25})
+    monkeypatch.setattr(run_mod, "_run_in", lambda *a: pytest.fail("the run started"))
+    result = CliRunner().invoke(app, ["train", CONFIG, *TINY, f"trainer.output_dir={out}", "trainer.resume=auto"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: trainer.resume=auto: {out} holds a run (metrics.jsonl up to step 2) but no "
+                               f"complete checkpoint")
+    assert "pass a new trainer.output_dir" in lines[0] and f"delete {out}" in lines[0]
+    assert (out / "metrics.jsonl").read_text() == before and sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_auto_resume_into_a_new_directory_says_it_starts_at_step_0(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(Supervisor, "run", lambda self: {})
+    out = tmp_path / "new"
+    run_plan(plan_for(_cfg(f"trainer.output_dir={out}", "trainer.resume=auto")))
+    said = capsys.readouterr().out
+    assert said.count("trainer.resume=auto found no checkpoint") == 1
+    assert f"trainer.resume=auto found no checkpoint in {out}: starting a new run at step 0" in said
+
+
+def test_auto_resume_after_a_restart_event_starts_again(tmp_path, monkeypatch, capsys):
+    # What `fleetrl sweep` does before it retries a run that left no checkpoint: the restart event marks where the
+    # repeated steps begin, so this second run is not mixed in silently.
+    monkeypatch.setattr(Supervisor, "run", lambda self: {})
+    out = tmp_path / "run"
+    _metrics(out, {"step": 2, "train/reward_mean": 0.5}, {"step": 2, "event": "restart", "source": "sweep"})
+    run_plan(plan_for(_cfg(f"trainer.output_dir={out}", "trainer.resume=auto")))
+    assert f"found no checkpoint in {out}: starting again at step 0 after the restart event" in capsys.readouterr().out
+
+
+def test_a_refused_resume_leaves_config_yaml_unchanged(tmp_path, saved_run):
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    config, metrics = (out / "config.yaml").read_bytes(), (out / "metrics.jsonl").read_bytes()
+    cfg = _cfg(f"trainer.output_dir={out}", "trainer.resume=auto", "model.path=tiny:hidden=32,heads=2",
+               "trainer.total_steps=2")
+    with pytest.raises(CheckpointError, match=r"trained from model 'tiny:'.*model.path='tiny:hidden=32,heads=2'"):
+        run_plan(plan_for(cfg))
+    assert (out / "config.yaml").read_bytes() == config and (out / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_an_accepted_resume_writes_its_config_yaml(tmp_path, saved_run):
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    assert "total_steps: 1\n" in (out / "config.yaml").read_text()
+    records = train_run(CONFIG, out, *TINY, "trainer.total_steps=2", "trainer.resume=auto")
+    assert [r["step"] for r in records if r.get("event") == "resumed"] == [1]
+    assert "total_steps: 2\n" in (out / "config.yaml").read_text()
