@@ -108,6 +108,9 @@ class Plan:
     rollout correction and the value loss weigh. With rollout.env it is `loss_mask` (the rollout's model-token
     mask; environment tokens are context with zero weight), and the forward passes still attend over all of
     response_mask. The actor's policy loss also reads `loss_mask` under overlong.mask_truncated."""
+    rank_local: bool = False
+    """The step runs rank-local (trainer.rank_local and the plan allows it: every role in one pool, sync, no
+    dynamic sampling, no environment, no reward-model role): the samples never leave the rank that generated them."""
     ref_from_actor: bool = False
     """actor.lora is set and the ref shares the actor's pool: the reference log-probs come from the actor's own
     model with its adapters switched off (peft's disable_adapter), which IS the base model: no second copy."""
@@ -175,6 +178,7 @@ class Plan:
             "rollout_engine": {"max_batch": self.rollout.max_batch, "max_seq_len": self.rollout.max_seq_len},
             "val_batch_prompts": self.val_batch_prompts,
             "action_mask": self.action_mask,
+            "rank_local": self.rank_local,
             "pipeline": None if self.pipeline is None else {
                 "max_staleness": self.pipeline.max_staleness, "stale": self.pipeline.stale,
                 "chunk_groups": self.pipeline.chunk_groups, "window_groups": self.pipeline.window_groups},
@@ -234,8 +238,10 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     autocast = resolve_precision("actor.autocast", cfg.actor.autocast, pools[roles["actor"]].uses_gpu, "off")
     compute_dtype = resolve_precision("rollout.compute_dtype", cfg.rollout.compute_dtype,
                                       pools[roles["rollout"]].uses_gpu, "model")
+    rank_local = (cfg.trainer.rank_local and pipeline is None and not cfg.algorithm.dynamic_sampling.enabled
+                  and cfg.rollout.env is None and "reward_model" not in roles and len(set(roles.values())) == 1)
     return Plan(config=cfg, pools=FrozenDict(pools), roles=FrozenDict(roles), world=FrozenDict(world),
-                use_critic=use_critic, use_ref=use_ref, rollout_colocated=roles["rollout"] == roles["actor"],
+                rank_local=rank_local, use_critic=use_critic, use_ref=use_ref, rollout_colocated=roles["rollout"] == roles["actor"],
                 samples_per_step=samples, mini_batch_samples=mini, num_mini_batches=n_mini, micro_batch_size=micro,
                 micro_batch_tokens=_packing(cfg),
                 total_steps=total, actor_optimizer_steps=max(actor_steps, 1),

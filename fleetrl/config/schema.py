@@ -333,6 +333,12 @@ class TrainerConfig:
     throwaway sweep point); a stopped run then has nothing to continue from."""
     on_nonfinite: Literal["skip", "abort"] = "skip"
     """What a NaN/inf loss or gradient does to the update."""
+    rank_local: bool = True
+    """Where the plan allows it (every role in one pool, a synchronous step, no dynamic sampling, no environment,
+    no reward-model role), each rank generates, scores, computes advantages for and trains on its own whole groups,
+    and the controller exchanges only typed requests and scalar reports with it (workers/local_step.py,
+    docs/architecture.md). false: the step's data passes through the controller, as it must when roles live in
+    different pools (for comparisons)."""
     mode: Literal["sync", "async"] = "sync"
     """sync: generate, then train, then sync weights, one step at a time. async (docs/async.md): generation of the
     next max_staleness steps runs on a separate rollout pool while the actor trains (trainer/pipeline.py)."""

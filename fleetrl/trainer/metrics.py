@@ -7,6 +7,7 @@ import numpy as np
 
 from fleetrl.algo import masked_mean
 from fleetrl.batch import Batch
+from fleetrl.workers.messages import PrepareReport, RolloutReport, merge_moments
 
 
 def rollout_metrics(batch: Batch, timings: dict[str, float], step_s: float, recomputed: bool,
@@ -74,3 +75,55 @@ def _by_source(sources: np.ndarray, values: np.ndarray) -> dict[str, list[float]
 def pass_at_k(scores_by_prompt: list[list[float]], threshold: float = 1.0) -> float:
     """Fraction of prompts with at least one sample scoring >= threshold (a success)."""
     return float(np.mean([any(s >= threshold for s in row) for row in scores_by_prompt]))
+
+
+def local_metrics(rollouts: list[RolloutReport], prepares: list[PrepareReport], kl: float | None,
+                  timings: dict[str, float], step_s: float, recomputed: bool) -> dict[str, float]:
+    """`rollout_metrics`' names and meanings, from the rank-local step's scalar reports (workers/local_step.py):
+    means and stds from the ranks' moments, counters added, correction statistics weighted by action tokens,
+    and a phase part timed inside the workers taken from the slowest rank."""
+    mo = merge_moments([r.moments for r in rollouts] + [p.moments for p in prepares])
+    m: dict[str, float] = {"train/reward_mean": mo["reward"].mean, "train/reward_std": mo["reward"].std}
+    for name in sorted(k for k in mo if k.startswith("reward/")):
+        m[f"train/{name}/mean"], m[f"train/{name}/std"] = mo[name].mean, mo[name].std
+    m["train/response_length_mean"] = mo["response_length"].mean
+    m["train/response_length_max"] = mo["response_length"].high
+    m["train/response_clip_ratio"] = mo["clipped"].mean
+    m["train/prompt_length_mean"] = mo["prompt_length"].mean
+    if recomputed:
+        m["train/entropy"] = mo["entropy"].mean
+        m["train/rollout_logprob_diff_mean"] = mo["logprob_diff"].mean
+        m["train/rollout_logprob_diff_max"] = mo["logprob_diff"].high if mo["logprob_diff"].n else 0.0
+    if kl is not None:
+        m["train/kl"] = kl
+    m["train/advantage_mean"] = mo["advantage"].mean
+    for r in rollouts:
+        for k, v in r.counters.items():
+            m[f"train/{k}"] = m.get(f"train/{k}", 0.0) + float(v)
+    if "overlong_penalty" in mo:
+        m["train/overlong_penalty_mean"] = mo["overlong_penalty"].mean
+    m.update(_combined_correction(prepares))
+    for k, v in timings.items():
+        m[f"train/time/{k}"] = float(v)
+    for r in rollouts:
+        for k, v in r.timing.items():
+            m[f"train/time/{k}"] = max(m.get(f"train/time/{k}", 0.0), float(v))
+    m["train/time/step"] = step_s
+    m["train/tokens_per_s"] = sum(r.tokens for r in rollouts) / max(step_s, 1e-9)
+    return m
+
+
+def _combined_correction(prepares: list[PrepareReport]) -> dict[str, float]:
+    """rollout_is/* over the ranks: *_max by max, *_min by min, the rest weighted by each rank's action tokens."""
+    total = sum(p.action_tokens for p in prepares) or 1.0
+    out: dict[str, float] = {}
+    for p in prepares:
+        for k, v in p.correction.items():
+            key = f"train/{k}"
+            if k.endswith("_max"):
+                out[key] = max(out.get(key, float("-inf")), v)
+            elif k.endswith("_min"):
+                out[key] = min(out.get(key, float("inf")), v)
+            else:
+                out[key] = out.get(key, 0.0) + v * p.action_tokens / total
+    return out

@@ -23,13 +23,14 @@ from fleetrl.config.plan import Plan
 from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.dynamic import fill_informative
 from fleetrl.trainer.inputs import RunInputs
-from fleetrl.trainer.metrics import rollout_metrics
+from fleetrl.trainer.local import LocalStepReports, RankLocalStep
+from fleetrl.trainer.metrics import local_metrics, rollout_metrics
 from fleetrl.trainer.progress import Progress, RNGState
 from fleetrl.trainer.signals import Interrupted, StopSignal
 from fleetrl.trainer.validate import validate
 from fleetrl.workers.episodes import generate_keys
 from fleetrl.workers.layout import arrange_update
-from fleetrl.workers.messages import CorrectionSpec, GenerateRequest, UpdateMetrics, UpdateSpec
+from fleetrl.workers.messages import GenerateRequest, UpdateMetrics
 from fleetrl.workers.phases import (
     SEQ_KEYS,
     actor_keys,
@@ -38,6 +39,7 @@ from fleetrl.workers.phases import (
     loss_mask_key,
     seq_kl,
     shape_scores,
+    update_spec,
     with_advantages,
 )
 from fleetrl.workers.worker import Worker
@@ -72,6 +74,7 @@ class Trainer:
         # The step's group partitions, by (world size, mini-batches): made when the step's groups are generated
         # and reused by every later phase, so a sample is scored and trained where it was generated.
         self.partitions: dict[tuple[int, int], GroupPartition] = {}
+        self.local: RankLocalStep | None = None  # Plan.rank_local: the step on each rank (trainer/local.py)
         self.pipeline = None  # trainer.mode=async: trainer/pipeline.py, built with the groups
 
     @property
@@ -99,15 +102,11 @@ class Trainer:
             self.timings = {}
             self._call_stats()  # drop what validation/resume accumulated: only this step's calls count
             t0 = time.perf_counter()
-            batch = self.rollouts()
-            batch = self.logprobs(batch)
-            batch = self.values(batch)
-            batch = self.advantages(batch)
-            metrics = self.update(batch)
+            metrics, record = self.run_step()
             self.check_finite(metrics)
             self.sync()
             self.progress.step += 1
-            metrics.update(self._step_metrics(batch, time.perf_counter() - t0))
+            metrics.update(self._step_metrics(record, time.perf_counter() - t0))
             metrics["train/kl_coef"] = self.kl_ctl.coef
             metrics.update(self._call_stats())
             self.checkpoint()
@@ -122,6 +121,15 @@ class Trainer:
         return last
 
     # ---------------------------------------------------------------------------------------- phases
+    def run_step(self) -> tuple[dict[str, float], Batch | LocalStepReports]:
+        """One step's phases up to the update: on each rank for a colocated plan (trainer/local.py: the samples
+        never leave their rank), else through the controller, phase by phase (the batch comes back each time)."""
+        if self.local is not None:
+            updates, reports = self.local.run(self.step, self.progress.weights_version, self.kl_ctl, self._timed)
+            return _update_metrics(updates), reports
+        batch = self.advantages(self.values(self.logprobs(self.rollouts())))
+        return self.update(batch), batch
+
     def rollouts(self) -> Batch:
         """generate + score for one step's prompts; with dynamic sampling, more rounds until every group is
         informative (trainer/dynamic.py). Async: taken from the generation already running (trainer/pipeline.py)."""
@@ -197,19 +205,13 @@ class Trainer:
         if self.plan.actor_updates_at(self.step):
             with self._timed("update_actor"):
                 reports.append(self._update_role("actor", batch.pick(*actor_keys(self.plan)), Worker.update_actor))
-        return {f"train/{k}": v for k, v in UpdateMetrics.reduce_roles(reports).items()}
+        return _update_metrics(reports)
 
     def _update_role(self, role: str, batch: Batch, method: Callable) -> list[UpdateMetrics]:
-        loss_mask = loss_mask_key(self.plan, role)
         parts, minis = arrange_update(batch, self.partition(batch, role),
-                                      norm_len=float(self.cfg.rollout.max_response_tokens), mask_key=loss_mask)
-        actor, c = role == "actor", self.cfg.algorithm.rollout_correction
-        spec = UpdateSpec(minis=minis, kl_coef=self.kl_ctl.coef,
-                          old_logprobs="recomputed" if self.plan.recompute_logprobs else "current",
-                          is_weights=actor and self.plan.correction_on_controller, loss_mask=loss_mask,
-                          correction=CorrectionSpec(mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
-                          if actor and self.plan.correction_in_loss else None)
-        return self.group(role).call_parts(method, parts, spec)
+                                      norm_len=float(self.cfg.rollout.max_response_tokens),
+                                      mask_key=loss_mask_key(self.plan, role))
+        return self.group(role).call_parts(method, parts, update_spec(self.plan, role, minis, self.kl_ctl.coef))
 
     def partition(self, batch: Batch, role: str) -> GroupPartition:
         """The step's group partition over `role`'s ranks: whole groups, mini-batch by mini-batch, balanced by
@@ -317,13 +319,19 @@ class Trainer:
         from fleetrl.cluster.build import build_groups
 
         self.groups = build_groups(self.plan, self.out_dir)
+        if self.plan.rank_local:
+            self.local = RankLocalStep(self.plan, self.group("actor"), self.train_feed)
         if self.plan.pipeline is not None:
             from fleetrl.trainer.pipeline import AsyncRollouts
 
             self.pipeline = AsyncRollouts(self.plan, self.group("rollout"), self.group("actor"), self.train_feed,
                                           self.score)
 
-    def _step_metrics(self, batch: Batch, step_s: float) -> dict[str, float]:
+    def _step_metrics(self, record: Batch | LocalStepReports, step_s: float) -> dict[str, float]:
+        if isinstance(record, LocalStepReports):
+            return local_metrics(record.rollouts, record.prepares, record.kl, self.timings, step_s,
+                                 self.plan.recompute_logprobs)
+        batch = record
         m = rollout_metrics(batch, self.timings, step_s, self.plan.recompute_logprobs, self.plan.action_mask)
         if self.pipeline is not None:
             # the version this step trained is the one before its sync
@@ -355,3 +363,8 @@ class Trainer:
             yield
         finally:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t
+
+
+def _update_metrics(reports: list[list[UpdateMetrics]]) -> dict[str, float]:
+    """The roles' update reports (per role, per rank) as train/* metrics."""
+    return {f"train/{k}": v for k, v in UpdateMetrics.reduce_roles(reports).items()}

@@ -137,3 +137,82 @@ def combine_extremes(parts: Iterable[Mapping[str, Extreme]]) -> dict[str, Extrem
         for k, v in part.items():
             out[k] = v if k not in out else out[k].combine(v)
     return out
+
+
+# ------------------------------------------------------------------ the rank-local step (workers/local_step.py)
+@dataclass(frozen=True, slots=True)
+class Moments:
+    """Count, sum, sum of squares, max and min of a set of numbers: what a rank reports of its share so that the
+    controller gets the global mean, std, max and min of the step without the numbers themselves."""
+    n: float = 0.0
+    total: float = 0.0
+    squares: float = 0.0
+    high: float = float("-inf")
+    low: float = float("inf")
+
+    @staticmethod
+    def of(values: torch.Tensor, mask: torch.Tensor | None = None) -> "Moments":
+        """Of `values` (any shape), or of its entries where `mask` is 1."""
+        v = values.detach().double().flatten()
+        if mask is not None:
+            v = v[mask.flatten().bool()]
+        if not v.numel():
+            return Moments()
+        return Moments(n=float(v.numel()), total=float(v.sum()), squares=float((v * v).sum()), high=float(v.max()),
+                       low=float(v.min()))
+
+    def merge(self, other: "Moments") -> "Moments":
+        return Moments(n=self.n + other.n, total=self.total + other.total, squares=self.squares + other.squares,
+                       high=max(self.high, other.high), low=min(self.low, other.low))
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+    @property
+    def std(self) -> float:
+        """Population std (numpy's default), as the single-batch metrics report it."""
+        return max(self.squares / self.n - self.mean ** 2, 0.0) ** 0.5 if self.n else 0.0
+
+
+def merge_moments(parts: Iterable[Mapping[str, Moments]]) -> dict[str, Moments]:
+    out: dict[str, Moments] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = v if k not in out else out[k].merge(v)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutReport:
+    """One rank's rollout (generate + score) of its groups, as scalars; the samples stay in the worker."""
+    moments: Mapping[str, Moments]
+    """reward, reward/<data_source>, response_length, clipped (1 = stopped by the length limit), prompt_length."""
+    counters: Mapping[str, float]
+    """Counts that add over ranks: reward_errors, reward_timeouts, reward_skipped."""
+    tokens: float
+    """Prompt + response tokens of this rank's samples (throughput)."""
+    timing: Mapping[str, float]
+    """Parts of the phase timed inside the worker (generate/*, score)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrepareRequest:
+    """Log-probs, reference, values and advantages of the groups a rank holds."""
+    kl_coef: float
+    """The KL controller's coefficient before this step's update of it (as the single-batch path uses it)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrepareReport:
+    moments: Mapping[str, Moments]
+    """entropy and logprob_diff (recompute pass, over action tokens), advantage (over action tokens), and the
+    rollout-correction statistics' inputs where they run here."""
+    kl: tuple[float, float] | None
+    """The KL's masked sum and token count over this rank's samples (with a reference)."""
+    correction: Mapping[str, float]
+    """rollout_is/* statistics of this rank's share, weighted by `action_tokens` when combined."""
+    action_tokens: float
+    mini_tokens: Mapping[str, tuple[float, ...]]
+    """Per loss-mask key, this rank's tokens in each of its mini-batch shares (the controller adds them into the
+    global counts of UpdateSpec.minis)."""

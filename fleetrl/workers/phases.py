@@ -25,6 +25,7 @@ from fleetrl.algo import (
 )
 from fleetrl.batch import Batch
 from fleetrl.config.plan import Plan
+from fleetrl.workers.messages import CorrectionSpec, MiniBatchCounts, UpdateSpec
 
 SEQ_KEYS = ("prompts", "prompt_mask", "responses", "response_mask", "group")
 SumAll = Callable[[torch.Tensor], torch.Tensor]
@@ -103,6 +104,17 @@ def actor_keys(plan: Plan) -> list[str]:
 
 def critic_keys(plan: Plan) -> list[str]:
     return [*SEQ_KEYS, "values", "returns", plan.action_mask]
+
+
+def update_spec(plan: Plan, role: str, minis: tuple[MiniBatchCounts, ...], kl_coef: float) -> UpdateSpec:
+    """The typed message of one role's update, every number from the Plan and the mini-batches' global counts."""
+    c = plan.config.algorithm.rollout_correction
+    actor = role == "actor"
+    return UpdateSpec(minis=minis, kl_coef=kl_coef,
+                      old_logprobs="recomputed" if plan.recompute_logprobs else "current",
+                      is_weights=actor and plan.correction_on_controller, loss_mask=loss_mask_key(plan, role),
+                      correction=CorrectionSpec(mode=c.mode, level=c.level, cap=c.cap, low=c.low, high=c.high)
+                      if actor and plan.correction_in_loss else None)
 
 
 def loss_mask_key(plan: Plan, role: str) -> str:

@@ -21,7 +21,14 @@ from fleetrl.engines.training import DistInfo
 from fleetrl.netif import socket_ifname_env
 from fleetrl.workers.context import WorkerContext
 from fleetrl.workers.memory import memory_peaks
-from fleetrl.workers.messages import GenerateRequest, UpdateMetrics, UpdateSpec
+from fleetrl.workers.messages import (
+    GenerateRequest,
+    PrepareReport,
+    PrepareRequest,
+    RolloutReport,
+    UpdateMetrics,
+    UpdateSpec,
+)
 
 
 class Worker:
@@ -31,6 +38,7 @@ class Worker:
         self.actor = self.critic = self.ref = self.rollout = self.reward_model = None
         self.bus = None  # weight bus to a separate rollout pool (only actor rank 0 and rollout workers join)
         self.owns_group = False  # this worker made the process's default group (init_dist), so it destroys it
+        self.local = None  # the rank-local step's held groups (workers/local_step.py), built on first use
 
     def timed(self, method: str, *args):
         """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
@@ -154,6 +162,26 @@ class Worker:
         none."""
         return metrics.with_extremes(memory_peaks(self.ctx.device()))
 
+    # ------------------------------------------------------------------ the rank-local step (Plan.rank_local)
+    def rollout_local(self, prompts: Batch, req: GenerateRequest) -> RolloutReport:
+        return self._local().rollout(prompts, req)
+
+    def prepare_local(self, req: PrepareRequest) -> PrepareReport:
+        return self._local().prepare(req)
+
+    def update_actor_local(self, spec: UpdateSpec) -> UpdateMetrics:
+        return self._with_memory(self._local().update("actor", spec))
+
+    def update_critic_local(self, spec: UpdateSpec) -> UpdateMetrics:
+        return self._with_memory(self._local().update("critic", spec))
+
+    def _local(self):
+        if self.local is None:
+            from fleetrl.workers.local_step import LocalStep
+
+            self.local = LocalStep(self)
+        return self.local
+
     def mark_weights_version(self, version: int) -> None:
         """Colocated rollout: the engine already reads the actor's parameters; only the version moves."""
         self._need("rollout").engine.weights_version = version
@@ -239,6 +267,9 @@ class Worker:
                 for name, p in comp.model.named_parameters()}
 
     def shutdown(self) -> None:
+        if self.local is not None:
+            self.local.close()  # its reward workers
+            self.local = None
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False

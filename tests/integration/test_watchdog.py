@@ -23,8 +23,10 @@ def _steps(records):
 
 
 @pytest.mark.parametrize("verb,pools", [
-    ("generate", ()),
-    ("update_actor", ()),
+    # the rank-local step (quickstart: one pool) and the same phases through the driver
+    ("rollout_local", ()),
+    ("update_actor_local", ()),
+    ("generate", ("trainer.rank_local=false",)),
     # a separate rollout pool: the receiver freezes inside the bucketed weight broadcast
     ("bus_receive", ("cluster.pools={main: {cpus_per_worker: 0.25}, gen: {cpus_per_worker: 0.25}}",
                      "cluster.roles={actor: main, rollout: gen}")),

@@ -49,11 +49,33 @@ def _steps(records: list[dict]) -> list[dict]:
     return [{k: r[k] for k in KEYS if k in r} for r in records if "train/actor/pg_loss" in r]
 
 
-def test_world_two_equals_world_one(tmp_path, ray_local, monkeypatch):
-    one = _steps(train_run("examples/ppo_tiny.yaml", tmp_path / "w1", *COMMON, "cluster.backend=local"))
+def test_world_two_equals_world_one_rank_local(tmp_path, ray_local):
+    """The rank-local step (Plan.rank_local: every role in one pool): world 2 = world 1, and the driver moves no
+    per-sample tensor: nothing per-sample comes back from a worker, and what goes out is the step's prompts."""
+    one = train_run("examples/ppo_tiny.yaml", tmp_path / "w1", *COMMON, "cluster.backend=local")
+    two = train_run("examples/ppo_tiny.yaml", tmp_path / "w2", *COMMON, "cluster.backend=ray",
+                    "cluster.pools.main.workers_per_node=2")
+    _same_losses(_steps(one), _steps(two))
+    driver = train_run("examples/ppo_tiny.yaml", tmp_path / "w2d", *COMMON, "cluster.backend=ray",
+                       "cluster.pools.main.workers_per_node=2", "trainer.rank_local=false")
+    local_out = [r["train/driver/bytes_out/main"] for r in two if "train/actor/pg_loss" in r]
+    driver_out = [r["train/driver/bytes_out/main"] for r in driver if "train/actor/pg_loss" in r]
+    assert all(r["train/driver/bytes_in/main"] == 0 for r in two if "train/actor/pg_loss" in r)
+    assert all(r["train/driver/bytes_in/main"] > 0 for r in driver if "train/actor/pg_loss" in r)
+    # out: 8 prompts once (the driver path sends each prompt n = 2 times, then every sample's tokens, log-probs
+    # and advantages again for each later phase)
+    assert all(0 < a * 4 < b for a, b in zip(local_out, driver_out)), (local_out, driver_out)
+    _same_losses(_steps(one), _steps(driver))
+
+
+def test_world_two_equals_world_one_through_the_driver(tmp_path, ray_local, monkeypatch):
+    """The driver path (roles in different pools take it; forced here with trainer.rank_local=false): one group
+    partition per step, shared by every phase, and world 2 = world 1."""
+    one = _steps(train_run("examples/ppo_tiny.yaml", tmp_path / "w1", *COMMON, "cluster.backend=local",
+                           "trainer.rank_local=false"))
     seen = _record_partitions(monkeypatch)
     two = _steps(train_run("examples/ppo_tiny.yaml", tmp_path / "w2", *COMMON, "cluster.backend=ray",
-                           "cluster.pools.main.workers_per_node=2"))
+                           "cluster.pools.main.workers_per_node=2", "trainer.rank_local=false"))
     # Each step's phases used ONE partition (the same object: made at generate, reused), of whole groups.
     for phase, batch, part in seen:
         assert part.world == 2
@@ -64,6 +86,10 @@ def test_world_two_equals_world_one(tmp_path, ray_local, monkeypatch):
     phases = [p for p, _, _ in seen]
     assert phases.count("generate") == 3 and phases.count("update_actor") == 3, phases
     assert len({id(part) for _, _, part in seen}) == 3, "one partition per step, shared by every phase"
+    _same_losses(one, two)
+
+
+def _same_losses(one: list[dict], two: list[dict]) -> None:
     assert len(one) == len(two) == 3
     assert any(abs(s["train/actor/pg_loss"]) > 1e-4 for s in one), "the losses pin nothing"
     for step, (a, b) in enumerate(zip(one, two), start=1):
