@@ -14,7 +14,7 @@ decoder wraps each layer call inside it.
 from __future__ import annotations
 
 from types import MethodType
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,16 +29,27 @@ def _call(_module: nn.Module, fn: Callable[..., T], *args: object, **kwargs: obj
     return fn(*args, **kwargs)
 
 
-def shard(model: nn.Module, layers: list[nn.Module]) -> None:
+def shard(model: nn.Module, layers: list[nn.Module]) -> bool:
     """fully_shard each decoder layer (one all-gather per layer, overlapped with the previous one's compute), then
     the root (everything else), each with a hooked `gathered_call` entry. Uses the default process group, on
-    GPU (NCCL) or CPU (gloo) alike."""
+    GPU (NCCL) or CPU (gloo) alike. Returns whether the gradient reduce-scatter SUMS over ranks (this torch has
+    FSDP2's divide factor and sum-only switch); if not, it averages and the caller scales its loss by the world
+    size."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    for module in (*layers, model):
+    modules = (*layers, model)
+    for module in modules:
         fully_shard(module)
         setattr(module, _METHOD, MethodType(_call, module))
         register_fsdp_forward_method(module, _METHOD)
+    sums = all(hasattr(m, "set_force_sum_reduction_for_comms") for m in modules)
+    for module in modules if sums else ():
+        # Our losses are normalised by GLOBAL counts, so the exact gradient is the ranks' SUM. A divide factor of
+        # 1 alone becomes NCCL's PREMUL_SUM(1), which gloo lacks; forcing sum-only reductions gives a plain SUM on
+        # both (and NCCL's zero-copy path), and skips the division by 1.
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+    return sums
 
 
 def gathered_call(module: nn.Module, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
@@ -48,16 +59,20 @@ def gathered_call(module: nn.Module, fn: Callable[..., T], *args: object, **kwar
     return fn(*args, **kwargs) if method is None else method(fn, *args, **kwargs)
 
 
-def same_count_on_every_rank(items: Iterable[T], device: torch.device,
-                             group: object | None = None) -> list[tuple[T, bool]]:
-    """(item, real) pairs: `items`, then repeats of its last item flagged not real, up to the largest count on any
-    rank of `group` (one all-reduce). Why: under FSDP2 every micro-batch's forward and backward gather and
-    reduce-scatter each layer, so all ranks must run as many; a token budget cuts each rank's rows into its own
-    number of micro-batches (workers/layout.py). The caller runs a repeat and discards it (a zero loss)."""
+def same_count_on_every_rank(items: Iterable[T], device: torch.device, group: object | None = None,
+                             split: Callable[[int], Sequence[T]] | None = None) -> list[tuple[T, bool]]:
+    """(item, real) pairs, as many on every rank of `group` as the most any rank has (one all-reduce). Why: under
+    FSDP2 every micro-batch's forward gathers each layer (and the synced backward reduce-scatters it), so all ranks
+    must run as many; a token budget cuts each rank's rows into its own number of micro-batches
+    (workers/layout.py). A rank with fewer re-cuts its rows into that many with `split(count)` (no pass wasted);
+    only where it cannot (fewer rows than the count, or no `split`) it repeats its last item, flagged not real,
+    which the caller runs and discards (a zero loss)."""
     items = list(items)
     count = torch.tensor([len(items)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     most = int(count)
+    if split is not None and 0 < len(items) < most:
+        items = list(split(most))
     if not items and most:
         raise RuntimeError("this rank has no micro-batch while another has some: FSDP2 needs one to repeat")
     return [(x, True) for x in items] + [(items[-1], False)] * (most - len(items))

@@ -2,11 +2,17 @@
 
 Data parallelism: every rank sums its micro-batch losses, each already normalised by the GLOBAL token or
 sequence count of the mini-batch (see algo.losses.aggregate), so the exact full-batch gradient is the SUM of
-the ranks' gradients. We all-reduce gradients with SUM ourselves (flattened, one collective per dtype) instead
-of DDP, whose mean would need a world-size rescale and whose bucket hooks fight with gradient accumulation.
-With `sharded=True` (and a process group, of one rank or more) the model is wrapped with FSDP2
-(engines/sharding.py; NCCL on GPU, gloo on CPU), which reduce-scatters with a mean; there we scale the loss by
-the world size to get the same sum.
+the ranks' gradients. Only the last micro-batch's backward communicates:
+- unsharded (engines/grad_sync.py): the earlier micro-batches accumulate locally, and the last backward launches a
+  bucketed SUM all-reduce (25 MiB buckets, no copy of the whole gradient) that overlaps the rest of it. Ranks may
+  run different numbers of micro-batches; a parameter a rank did not use contributes zeros.
+- `sharded=True` (and a process group, of one rank or more): FSDP2 (engines/sharding.py; NCCL on GPU, gloo on
+  CPU), its reduce-scatter set to SUM, with gradient sync off (`set_requires_gradient_sync`) on all but the last
+  micro-batch: the earlier ones accumulate the unsharded gradient of every layer (memory for fewer
+  reduce-scatters). FSDP2 gathers every layer in every forward, so all ranks run as many micro-batches: a rank with
+  fewer re-cuts its rows into the most any rank has (`step`'s `split`) rather than padding with repeats.
+With more than one rank, the engine times one all-reduce of a bucket at build, logs it with the backend and bus
+bandwidth, and reports it with every step as `allreduce_s`.
 
 Mixed precision: with `autocast_dtype` (e.g. bfloat16) the forward of each micro-batch runs under
 torch.autocast, so matmuls run in bf16 while parameters, gradients and Adam state stay in the model dtype
@@ -19,7 +25,7 @@ import logging
 import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,7 @@ from torch import nn
 
 from fleetrl import heartbeat
 from fleetrl.config.schema import OptimConfig
+from fleetrl.engines.grad_sync import GradSync, time_all_reduce
 from fleetrl.engines.sharding import same_count_on_every_rank, shard
 from fleetrl.models.hf import release_freed_memory
 
@@ -72,19 +79,26 @@ class TrainingEngine:
         self.autocast_dtype = autocast_dtype
         self.dist = dist_info
         self.device = torch.device(device)
+        # The time of one gradient all-reduce of a bucket (seconds), measured once here; None on one rank.
+        self.allreduce_s: float | None = None
         if dist_info.active:
             _broadcast_from_rank0([p for p in model.parameters() if p.requires_grad], dist_info.group)
+            self.allreduce_s = time_all_reduce(self.device, dist_info.group)
         # One rank too, when the worker made a group for it (workers/worker.py `init_dist`): FSDP2 with one shard.
         self.sharded = sharded and dist.is_initialized()
         if sharded and not self.sharded:
             log.warning("sharding=fsdp2 without a process group: the model is not sharded")
+        # FSDP2 on a torch without its sum-only switch averages over ranks; the loss is scaled to undo that.
+        self._loss_scale = 1.0
         if self.sharded:
             if not dist_info.active:
                 log.warning("sharding=fsdp2 on one rank: FSDP2 with one shard saves no memory and costs time (4-14% "
                             "of a 0.5B step on an H200, bench/RESULTS.md, fourteenth round); it runs the sharded "
                             "code path as N ranks would. Set sharding=none for one-GPU speed")
-            shard(model, _decoder_layers(model))
+            if not shard(model, _decoder_layers(model)):
+                self._loss_scale = float(dist_info.world_size)
         params = [p for p in model.parameters() if p.requires_grad]
+        self._grad_sync = GradSync(params, dist_info.group) if dist_info.active and not self.sharded else None
         # CUDA: the fused kernel. CPU: the per-parameter loop, not foreach: foreach saves kernel launches (none on
         # CPU) but builds temporaries for every parameter at once (+1 model size, 540 MB for SmolLM2-135M).
         fused = self.device.type == "cuda"
@@ -93,11 +107,15 @@ class TrainingEngine:
         self.scheduler = make_scheduler(self.optimizer, optim, total_optimizer_steps)
         self.grad_clip = optim.grad_clip
 
-    def step(self, micro_batches: Iterator, loss_fn: Callable[[object], tuple[torch.Tensor, dict[str, float]]]) -> dict[str, float]:
+    def step(self, micro_batches: Iterable[T], loss_fn: Callable[[T], tuple[torch.Tensor, dict[str, float]]], *,
+             split: Callable[[int], Sequence[T]] | None = None) -> dict[str, float]:
         """Accumulates gradients over micro-batches, syncs them across ranks, clips, steps.
 
         loss_fn returns (loss, metrics) for a micro-batch; the loss must already be normalised by global counts.
-        Returns summed metrics plus grad_norm and lr. A non-finite grad norm skips the update (counted).
+        split(n): this rank's rows cut into n micro-batches, each row in exactly one, in order; under FSDP2 a rank
+        with fewer micro-batches than another re-cuts with it (without it, it repeats its last with a zero loss).
+        Returns summed metrics plus grad_norm and lr, and allreduce_s with more than one rank. A non-finite grad
+        norm skips the update (counted).
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -106,20 +124,21 @@ class TrainingEngine:
         # it could queue the backward, leaving the GPU idle while it does.
         totals: dict[str, float | torch.Tensor] = {}
         nonfinite: torch.Tensor | float = 0.0
-        scale = self.dist.world_size if self.sharded else 1.0
-        for mb, real in self.aligned(micro_batches):
+        passes = self.aligned(micro_batches, split)
+        for i, (mb, real) in enumerate(passes):
             heartbeat.beat()
-            with self.autocast():
-                loss, metrics = loss_fn(mb)
-            if not real:  # a repeat that keeps FSDP2's collectives in step with other ranks: adds no gradient
-                (loss * 0.0).backward()
-                continue
-            (loss * scale).backward()
+            with self._syncing(last=i == len(passes) - 1):
+                with self.autocast():
+                    loss, metrics = loss_fn(mb)
+                if not real:  # a repeat that keeps FSDP2's collectives in step with other ranks: adds no gradient
+                    (loss * 0.0).backward()
+                    continue
+                (loss * self._loss_scale if self._loss_scale != 1.0 else loss).backward()
             nonfinite = nonfinite + (~torch.isfinite(loss.detach())).float()
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else float(v))
-        if self.dist.active and not self.sharded:
-            self._all_reduce_grads()
+        if self._grad_sync is not None:
+            self._grad_sync.finish()  # also on a rank with no micro-batch: it contributes zeros
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
         # the metrics and the norm in one read-back: each read waits for the GPU to drain, and it then idles
@@ -140,13 +159,24 @@ class TrainingEngine:
             # (measured on SmolLM2-135M: 3.56 GiB after a step, 1.95 GiB after the trim); the next phase
             # (generation) would otherwise start from the update's high-water mark.
             release_freed_memory(collect=False)  # the step's tensors hold no cycles: refcounting freed them
+        if self.allreduce_s is not None:
+            totals["allreduce_s"] = self.allreduce_s
         return {**totals, "grad_norm": norm, "lr": lr}
 
-    def aligned(self, micro_batches: Iterable[T]) -> list[tuple[T, bool]]:
-        """(micro-batch, real) pairs, padded with repeats to every FSDP2 rank's count (engines/sharding.py)."""
+    def aligned(self, micro_batches: Iterable[T], split: Callable[[int], Sequence[T]] | None = None) -> list[tuple[T, bool]]:
+        """(micro-batch, real) pairs; under FSDP2 as many on every rank (engines/sharding.py), re-cut with `split`
+        where given, else padded with repeats flagged not real."""
         if not self.sharded:
             return [(mb, True) for mb in micro_batches]
-        return same_count_on_every_rank(micro_batches, self.device, self.dist.group)
+        return same_count_on_every_rank(micro_batches, self.device, self.dist.group, split)
+
+    def _syncing(self, last: bool) -> AbstractContextManager:
+        """The context of one micro-batch's forward and backward: only the last one's backward syncs gradients."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(last)  # off: FSDP2 accumulates unsharded, with no reduce-scatter
+        if last and self._grad_sync is not None:
+            return self._grad_sync.launching()
+        return nullcontext()
 
     def autocast(self) -> AbstractContextManager:
         """The forward's mixed-precision context (a no-op without autocast_dtype); backward runs outside it."""
@@ -171,21 +201,6 @@ class TrainingEngine:
         if torch.device(device).type == "cpu" and torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-
-    def _all_reduce_grads(self) -> None:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.model.parameters():
-            if p.requires_grad:
-                if p.grad is None:  # unused this step on this rank: contribute zeros so shapes line up
-                    p.grad = torch.zeros_like(p)
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dist.group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
-                offset += g.numel()
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

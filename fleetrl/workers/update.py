@@ -7,7 +7,7 @@ import torch
 
 from fleetrl.batch import Batch
 from fleetrl.engines.training import TrainingEngine, read_back
-from fleetrl.workers.layout import rank_minis, update_micro_batches
+from fleetrl.workers.layout import rank_minis, split_micro_batches, update_micro_batches
 from fleetrl.workers.messages import Extreme, MiniBatchCounts, UpdateMetrics, UpdateSpec, combine_extremes
 
 LossFn = Callable[[Batch, MiniBatchCounts], tuple[torch.Tensor, dict[str, float | Extreme]]]
@@ -40,13 +40,17 @@ def run_update(engine: TrainingEngine, batch: Batch, spec: UpdateSpec, *, epochs
 
     for _ in range(epochs):
         for mini, counts in zip(minis, spec.minis):
-            metrics = engine.step(iter(update_micro_batches(mini, micro_batch_size, micro_batch_tokens, share_prompts)),
-                                  lambda mb, c=counts: summed_part(mb, c))
+            metrics = engine.step(update_micro_batches(mini, micro_batch_size, micro_batch_tokens, share_prompts),
+                                  lambda mb, c=counts: summed_part(mb, c),
+                                  # FSDP2: a rank with fewer micro-batches than another re-cuts its rows
+                                  split=lambda n, m=mini: split_micro_batches(m, n, micro_batch_tokens, share_prompts))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
     steps = len(spec.minis) * epochs
     same = {f"{prefix}/grad_norm": sums.pop("grad_norm") / steps, f"{prefix}/lr": sums.pop("lr") / steps,
             f"{prefix}/skipped_updates": sums.pop("skipped", 0.0)}
+    if "allreduce_s" in sums:  # more than one rank: one gradient all-reduce, timed at start (the same on every rank)
+        same[f"{prefix}/allreduce_s"] = sums.pop("allreduce_s") / steps
     # micro-batches whose loss was NaN/inf (their update is skipped when the gradient is too), per optimiser step;
     # reported only when there were any
     if nonfinite := sums.pop("nonfinite_loss", 0.0):
