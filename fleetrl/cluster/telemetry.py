@@ -39,7 +39,8 @@ class CallStats:
         self.overhead_s += max(0.0, wall_s - max(per_rank_s))
         self.bytes_out += payload_bytes(sent)
         self.bytes_in += payload_bytes(received)
-        total = self.rank_s.setdefault(verb, [0.0] * len(per_rank_s))
+        total = self.rank_s.setdefault(verb, [])
+        total += [0.0] * (len(per_rank_s) - len(total))  # a group rebuilt at another size (fallback) mid-step
         for r, s in enumerate(per_rank_s):
             total[r] += s
 
