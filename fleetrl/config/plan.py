@@ -24,7 +24,15 @@ from fleetrl.config.checks import (
 )
 from fleetrl.config.frozen import FrozenDict
 from fleetrl.config.load import ConfigError
-from fleetrl.config.precision import resolve_precision
+from fleetrl.config.precision import (
+    HALF,
+    AttentionPass,
+    attention_dtype,
+    check_attention_passes,
+    check_optimizer_dtype,
+    resolve_compute_dtype,
+    resolve_precision,
+)
 from fleetrl.config.schema import PoolConfig, RunConfig
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
@@ -124,7 +132,12 @@ class Plan:
     actor_autocast: str = "off"
     """actor.autocast with `auto` resolved (config/precision.py): off, bfloat16 or float16."""
     rollout_compute_dtype: str = "model"
-    """rollout.compute_dtype with `auto` resolved (config/precision.py): model or a dtype name."""
+    """rollout.compute_dtype with `auto` resolved (config/precision.py): model or a dtype name; always `model` for
+    the hf engine, which decodes in model.dtype."""
+    flash_attention_ok: bool = False
+    """Every pass of the actor's own forward (the update; the old log-prob recompute where it runs) feeds attention
+    fp16/bf16 q/k/v, which FlashAttention kernels need (they have no fp32): actor.packed_attention=auto picks the
+    varlen kernel only then (workers/actor.py `packed_forward`), flex attention otherwise."""
 
     @property
     def correction_on_controller(self) -> bool:
@@ -172,6 +185,7 @@ class Plan:
             "lora_base_dtype": self.lora_base_dtype,
             "actor_autocast": self.actor_autocast,
             "rollout_compute_dtype": self.rollout_compute_dtype,
+            "flash_attention_ok": self.flash_attention_ok,
             "total_steps": self.total_steps,
             "actor_optimizer_steps": self.actor_optimizer_steps,
             "critic_optimizer_steps": self.critic_optimizer_steps,
@@ -235,9 +249,15 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     kl_before_update = use_ref and (kl.placement == "reward" or kl.controller == "adaptive")
     recompute = cfg.algorithm.recompute_logprobs == "always" or not on_policy or (stale and kl_before_update)
     val_prompts = max(world["rollout"], cfg.data.prompts_per_step)
-    autocast = resolve_precision("actor.autocast", cfg.actor.autocast, pools[roles["actor"]].uses_gpu, "off")
-    compute_dtype = resolve_precision("rollout.compute_dtype", cfg.rollout.compute_dtype,
-                                      pools[roles["rollout"]].uses_gpu, "model")
+    gpu = {r: pools[roles[r]].uses_gpu for r in active}
+    check_optimizer_dtype(cfg, [r for r in ("actor", "critic") if r in gpu and not gpu[r]])
+    autocast = resolve_precision("actor.autocast", cfg.actor.autocast, gpu["actor"], "off")
+    compute_dtype = resolve_compute_dtype(cfg, gpu["rollout"])
+    ref_from_actor = use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"]
+    lora_base = _lora_base_dtype(cfg, autocast, colocated=roles["rollout"] == roles["actor"])
+    passes, flash_ok = _attention_passes(cfg, autocast, lora_base, recompute=recompute,
+                                         ref=None if not use_ref else "actor" if ref_from_actor else "copy", gpu=gpu)
+    check_attention_passes(passes)
     rank_local = (cfg.trainer.rank_local and pipeline is None and not cfg.algorithm.dynamic_sampling.enabled
                   and cfg.rollout.env is None and "reward_model" not in roles and len(set(roles.values())) == 1)
     return Plan(config=cfg, pools=FrozenDict(pools), roles=FrozenDict(roles), world=FrozenDict(world),
@@ -251,9 +271,34 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 rollout=_engine_sizes(cfg, world["rollout"], samples, val_prompts, pipeline),
                 val_batch_prompts=val_prompts, pipeline=pipeline,
                 action_mask="loss_mask" if cfg.rollout.env else "response_mask",
-                ref_from_actor=use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"],
-                lora_base_dtype=_lora_base_dtype(cfg, autocast, colocated=roles["rollout"] == roles["actor"]),
-                actor_autocast=autocast, rollout_compute_dtype=compute_dtype)
+                ref_from_actor=ref_from_actor, lora_base_dtype=lora_base,
+                actor_autocast=autocast, rollout_compute_dtype=compute_dtype, flash_attention_ok=flash_ok)
+
+
+def _attention_passes(cfg: RunConfig, autocast: str, lora_base: str | None, *, recompute: bool,
+                      ref: Literal["actor", "copy"] | None, gpu: Mapping[str, bool]) -> tuple[list[AttentionPass], bool]:
+    """The packed forwards of a step with the attention each runs and the dtype it feeds it (config/precision.py
+    `check_attention_passes` refuses FlashAttention fed fp32); and Plan.flash_attention_ok. The update runs under
+    actor.autocast; a pass outside it (the old log-prob recompute, the reference with the LoRA actor's adapters off)
+    under it only where the LoRA base is kept in its dtype (workers/actor.py `ActorComponent.precision`), else in
+    model.dtype, as a reference copy does. ref: None (no KL), "actor" (Plan.ref_from_actor) or "copy"."""
+    model, packed = cfg.model.dtype, cfg.actor.packed_attention
+    update = attention_dtype(model, autocast)
+    outside = attention_dtype(model, autocast if lora_base is not None else "off")
+    flash_ok = update in HALF and (not recompute or outside in HALF)
+    if cfg.algorithm.micro_batch_tokens is None:  # padded forwards: SDPA, which takes any dtype
+        return [], flash_ok
+    outside_fix = f"set model.dtype=bfloat16 (that pass runs outside actor.autocast, in model.dtype={model})"
+    passes = [AttentionPass(name="the update", attention=packed, dtype=update, on_gpu=gpu["actor"],
+                            fix="set actor.autocast=auto (bf16 on a GPU) or model.dtype=bfloat16")]
+    if recompute:
+        passes.append(AttentionPass(name="the old log-prob recompute (Plan.recompute_logprobs)", attention=packed,
+                                    dtype=outside, on_gpu=gpu["actor"], fix=outside_fix))
+    if ref is not None:  # the reference's packed forward is HF's, `auto` for the native-only kernels (workers/actor.py)
+        passes.append(AttentionPass(name="the reference log-prob pass", on_gpu=gpu["ref"],
+                                    attention="auto" if packed in ("varlen", "segments") else packed,
+                                    dtype=outside if ref == "actor" else model, fix=outside_fix))
+    return passes, flash_ok
 
 
 def _lora_base_dtype(cfg: RunConfig, autocast: str, colocated: bool) -> str | None:

@@ -78,9 +78,12 @@ class RolloutConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     compute_dtype: Literal["model", "auto", "bfloat16", "float16", "float32"] = "model"
-    """fast engine: decode in this dtype (a per-call weight copy when it differs from the model's). Its log-probs
-    then differ slightly from the trainer's (~0.035 mean |diff| for SmolLM2 bf16 vs fp32). auto: bfloat16 on a
-    GPU or a CPU with native bf16 matmuls (AVX512-BF16 or AMX), else the model's (Plan.rollout_compute_dtype)."""
+    """fast engine: decode in this dtype when it differs from the model's: on a GPU from one copy of the weights in
+    it, kept between calls and refreshed in place at each sync (CUDA graphs read it: engines/fast/cast.py), on CPU
+    from a copy made per call. Its log-probs then differ slightly from the trainer's (~0.035 mean |diff| for
+    SmolLM2 bf16 vs fp32). auto: bfloat16 on a GPU or a CPU with native bf16 matmuls (AVX512-BF16 or AMX), else the
+    model's (Plan.rollout_compute_dtype). The hf engine decodes in model.dtype: auto means that there, and another
+    dtype is refused."""
     val_temperature: float = 0.0
     """0 = greedy validation."""
     val_n: int = 1
@@ -224,7 +227,8 @@ class ActorConfig:
     packed_attention: str = "auto"
     """Attention of packed forwards. forward=hf: the transformers implementation: auto (flex_attention on GPU,
     the model's own on CPU) | flex_attention | flash_attention_2 | sdpa | eager (sdpa/eager build a dense tokens²
-    mask). forward=native: auto (on GPU varlen with share_prompts, else flex_attention; segments on CPU) |
+    mask). forward=native: auto (on GPU varlen with share_prompts where every pass feeds it fp16/bf16, which
+    FlashAttention needs: Plan.flash_attention_ok; else flex_attention; segments on CPU) |
     varlen (torch's flash varlen kernel, one sequence per prompt or response, models/varlen.py) | segments (the
     same sequences padded into one batched attention, models/segments.py) | flex_attention | sdpa (dense)."""
     forward: Literal["hf", "native"] = "hf"

@@ -82,6 +82,8 @@ def rope_cos_sin(model: nn.Module, position_ids_BL: torch.Tensor, dtype: torch.d
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
     """[B, H, L, Q] attention output; k, v have the KV heads (GQA: each serves num_heads // num_kv_heads)."""
+    if isinstance(mask, VarlenSegments) or (BlockMask is not None and isinstance(mask, BlockMask)):
+        q, k, v = _autocast_inputs(q, k, v)
     if BlockMask is not None and isinstance(mask, BlockMask):
         return _flex(q.device.type)(q, k, v, block_mask=mask, enable_gqa=True)
     if isinstance(mask, VarlenSegments):
@@ -95,6 +97,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> to
     group = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                           attn_mask=mask)
+
+
+def _autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in the autocast dtype where autocast is on, as SDPA's autocast rule casts them.
+
+    Why: under autocast the projections come out in bf16, but RoPE multiplies q and k by cos/sin in the residual
+    stream's dtype (fp32 with fp32 master weights, as HF does), so q and k reach attention in fp32 beside a bf16 v.
+    SDPA is on autocast's list and casts all three; the flash varlen kernel (models/varlen.py) is not, and refused
+    them ("FlashAttention only support fp16 and bf16 data type"). flex_attention has an autocast rule of its own in
+    recent torch; casting here makes it explicit for both. The output stays in that dtype, as SDPA's does, and the
+    o projection (autocast) reads it; the casts are differentiable, so gradients reach q, k, v in their dtype."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 @functools.lru_cache(maxsize=None)

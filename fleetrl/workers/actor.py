@@ -77,16 +77,24 @@ def gen_temperature(ctx: WorkerContext) -> float:
     return t if t > 0 else 1.0
 
 
+NATIVE_ONLY_ATTENTION = ("varlen", "segments")  # actor.packed_attention values only the native forward runs
+
+
 def packed_forward(ctx: WorkerContext, native: bool = False) -> PackedForward | None:
     """The packed forward of this run (algorithm.micro_batch_tokens set), or None for padded micro-batches.
     native: for actor.forward=native, the one packed forward that can share prompts (actor.share_prompts)."""
     if ctx.plan.micro_batch_tokens is None:
         return None
     a = ctx.cfg.actor
-    attention = PackedForward.choose_attention(a.packed_attention, ctx.device())
-    if native and a.share_prompts and a.packed_attention == "auto" and varlen.available(ctx.device()):
+    # The native forward's own kernels name no transformers implementation: HF's forward (the reference's, beside a
+    # native actor) takes `auto` for them (KeyError "`segments` is not a valid attention implementation").
+    name = "auto" if not native and a.packed_attention in NATIVE_ONLY_ATTENTION else a.packed_attention
+    attention = PackedForward.choose_attention(name, ctx.device())
+    if (native and a.share_prompts and a.packed_attention == "auto" and varlen.available(ctx.device())
+            and ctx.plan.flash_attention_ok):
         # Shared-prompt rows as flex blocks are mostly partial blocks (measured 0.61 s updates against 0.49 s with
-        # varlen); plain packed rows keep flex, measured on long-tailed lengths (bench/RESULTS.md).
+        # varlen); plain packed rows keep flex, measured on long-tailed lengths (bench/RESULTS.md). Not where a pass
+        # feeds attention fp32, which the flash kernel refuses (Plan.flash_attention_ok).
         attention = "varlen"
     elif native and a.packed_attention == "auto" and ctx.device().type == "cpu":
         # CPU SDPA over the dense block-diagonal mask visits every pair of the row (models/segments.py: 35 ms

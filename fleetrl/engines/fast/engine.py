@@ -2,11 +2,13 @@
 
 Colocated use (the default): the engine is handed the trainer's HF model and reads its parameter tensors in
 place at every step (`arch.model_weights`), so after an optimizer step the next `generate` samples from the new
-policy. The one exception is `fuse_projections` (on by default on CUDA): q/k/v and gate/up are read from fused
-copies (fused.py), refreshed when `weights_version` is assigned, which the trainer's sync does. `load_weights`
-is for a separate rollout pool: it copies named tensors into the parameters (in place, so captured graphs stay
-valid) and records the version. If the model's parameters are re-allocated (e.g. `model.to(...)`), the next
-call notices the new addresses and re-captures its graphs.
+policy. Two exceptions read copies, refreshed in place when `weights_version` is assigned, which the trainer's sync
+does: `fuse_projections` (on by default on CUDA) reads q/k/v and gate/up from fused copies (fused.py), and a
+`compute_dtype` other than the model's under CUDA graphs (fp32 master weights, bf16 decode) reads a copy of the
+weights in that dtype kept at fixed addresses (cast.py). `load_weights` is for a separate rollout pool: it copies
+named tensors into the parameters (in place, so captured graphs stay valid) and records the version. If the
+model's parameters are re-allocated (e.g. `model.to(...)`), the next call notices the new addresses and
+re-captures its graphs.
 
 Scheduling: up to `max_batch` slots. Prompts wait in input order; whenever slots are free, waiting prompts are
 prefilled into them (lowest slot first) and join the decode batch. A slot stops at its request's own limit
@@ -55,22 +57,28 @@ class FastRolloutEngine:
     kernels: "auto" uses the fused Triton kernels on CUDA when triton is installed, else torch ops; "torch"
     forces torch ops. sync_every: decode steps between host reads of the done flags. prefill_tokens: the
     most (padded) prompt tokens prefilled in one forward. compute_dtype: the dtype to decode in when it differs
-    from the model's (e.g. bf16 decode of an fp32 trainer on a CPU with AVX512-BF16): each call decodes with a
-    copy of the weights cast at its start and freed at its end (2 bytes x parameters while generating); None
-    = rollout.compute_dtype of the run config, else the model's.
-    Sampled-token logprobs then come from the cast weights (the trainer's recomputation stays in its dtype).
+    from the model's (bf16 decode of an fp32 trainer: on a GPU, or on a CPU with AVX512-BF16); None = the model's
+    (the rollout worker passes rollout.compute_dtype as the Plan resolved it). Sampled-token logprobs then come
+    from the cast weights (the trainer's recomputation stays in its dtype). keep_cast: how the cast weights are
+    held when compute_dtype differs. True: one copy at fixed addresses (cast.py), allocated at the first call,
+    refreshed in place when the weights change and kept between calls (2 bytes x parameters for bf16, freed by
+    `sleep`), which captured CUDA graphs read. False: a copy cast at the start of each call and freed at its end
+    (2 bytes x parameters while generating, nothing between calls); no CUDA graphs then. None = True with CUDA
+    graphs (on CUDA by default), else False (CPU).
     fuse_projections: decode with fused q/k/v and gate/up copies (fused.py: one more copy of those weights,
-    0.47 GB for Qwen2.5-0.5B bf16, 1.72 GB for 1.5B); None = on for CUDA, off on CPU. The copies are refreshed
-    where the engine learns the weights changed: `weights_version` assigned (the colocated trainer's sync sets
-    it, `load_weights` too), parameters re-allocated, LoRA adapters merged (each call). A caller that changes
-    the weights in place by other means assigns `weights_version` before the next `generate`.
+    0.47 GB for Qwen2.5-0.5B bf16, 1.72 GB for 1.5B; in compute_dtype, where they replace that share of the cast
+    copy); None = on for CUDA, off on CPU. The fused and kept cast copies are refreshed where the engine learns
+    the weights changed: `weights_version` assigned (the colocated trainer's sync sets it, `load_weights` too),
+    parameters re-allocated, LoRA adapters merged (each call; the merges are rounded to compute_dtype and kept
+    at fixed addresses too). A caller that changes the weights in place by other means assigns
+    `weights_version` before the next `generate`.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: object | None, *, device: torch.device | str,
                  max_batch: int = 256, max_seq_len: int = 2048, use_cuda_graphs: bool | None = None, seed: int = 0,
                  kernels: Literal["auto", "triton", "torch"] = "auto", sync_every: int = 16,
                  prefill_tokens: int = 32768, compute_dtype: torch.dtype | None = None,
-                 fuse_projections: bool | None = None) -> None:
+                 fuse_projections: bool | None = None, keep_cast: bool | None = None) -> None:
         if max_batch < 1 or max_seq_len < 2 or sync_every < 1:
             raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, sync_every >= 1; got {max_batch}, "
                              f"{max_seq_len}, {sync_every}")
@@ -84,20 +92,23 @@ class FastRolloutEngine:
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         if self.use_cuda_graphs and self.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs a CUDA device; pass use_cuda_graphs=None or False on CPU")
-        if self.use_cuda_graphs and self.dtype != self.model_dtype:
-            raise ValueError(f"compute_dtype={self.dtype} differs from the model's {self.model_dtype}: the per-call "
-                             "weight copy would invalidate CUDA graphs; cast the model instead, or pass "
-                             "use_cuda_graphs=False")
+        casting = self.dtype != self.model_dtype
+        self.keep_cast = casting and (self.use_cuda_graphs if keep_cast is None else keep_cast)
+        if self.use_cuda_graphs and casting and not self.keep_cast:
+            raise ValueError(f"compute_dtype={self.dtype} differs from the model's {self.model_dtype}, and a copy cast "
+                             "per call would move under the captured CUDA graphs; pass keep_cast=None or True (one "
+                             "copy kept at fixed addresses), or use_cuda_graphs=False")
         self.kernels = _load_kernels(kernels, self.device, self.spec, self.dtype)
         fuse = self.device.type == "cuda" if fuse_projections is None else fuse_projections
-        self._fwd = DecoderForward(model, self.spec, max_seq_len, self.dtype, self.device, self.kernels, fuse)
+        self._fwd = DecoderForward(model, self.spec, max_seq_len, self.dtype, self.device, self.kernels, fuse,
+                                   keep_cast=self.keep_cast)
         self._eos = _eos_ids(model, tokenizer)
         self._rng = torch.Generator().manual_seed(seed)
         self._buckets = batch_buckets(max_batch)  # per-allocation buckets are these, capped at its slot count
         self._buf: SlotBuffers | None = None
         self._graphs: DecodeGraphs | None = None
         self._fingerprint: tuple[int, ...] = ()
-        self.weights_version = 0  # a property: assigning it marks the fused copies stale
+        self.weights_version = 0  # a property: assigning it marks the fused and kept cast copies stale
         self.stats = {"decode_steps": 0, "decode_rows": 0, "prefills": 0, "prefilled_prompts": 0, "syncs": 0,
                       "moved_slots": 0}
 
@@ -106,26 +117,34 @@ class FastRolloutEngine:
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> GenerationOutput:
         rows = self._unpad(prompts, prompt_mask, params)
         limits = response_limits(params, len(rows)).tolist()
-        # LoRA actor: merged W + ΔW of the adapted projections (before graphs are captured, which read them);
-        # kept between calls only where captured graphs hold their addresses.
-        self._fwd.merge_adapters(keep=self.use_cuda_graphs,
-                                 dtype=None if self.use_cuda_graphs or self.dtype == self.model_dtype else self.dtype)
+        # Copies kept at fixed addresses between calls: where captured graphs hold them, or asked for (keep_cast).
+        fixed = self.use_cuda_graphs or self.keep_cast
+        # LoRA actor: merged W + ΔW of the adapted projections (before graphs are captured, which read them),
+        # rounded to the compute dtype at once.
+        self._fwd.merge_adapters(keep=fixed, dtype=None if self.dtype == self.model_dtype else self.dtype)
         buf = self._ready(len(rows), max(len(r) for r in rows) + params.max_new_tokens)
         key = self._configure(buf, params)
-        if self.dtype != self.model_dtype:
-            self._fwd.cast_for_call(self.dtype)
-            if not self.use_cuda_graphs:
-                self._fwd.merged = None  # the cast copy holds the merge now
-        else:
-            self._fwd.refresh_fused()  # before any graph is captured: graphs read the fused buffers
+        self._prepare_weights()  # before any graph is captured: graphs read what it sets up
         try:
             tok, lp, counts = self._run(buf, rows, limits, key)
         finally:
-            self._fwd.shadow = None
-            if not self.use_cuda_graphs:
+            if not self.keep_cast:
+                self._fwd.shadow = None  # a per-call copy is freed now; a kept one stays for the next call
+            if not fixed:
                 self._fwd.merged = None
         stop_set = set(self._eos) | set(params.stop_token_ids)
         return assemble_output(tok, lp, counts, stop_set, params.stop_strings, self.tokenizer, prompts.device)
+
+    def _prepare_weights(self) -> None:
+        """The weights this call decodes with: the kept compute-dtype copy refreshed in place where stale
+        (cast.py), a copy cast for this call, or the model's own tensors with the fused copies refreshed."""
+        if self.keep_cast:
+            self._fwd.refresh_cast()
+        elif self.dtype != self.model_dtype:
+            self._fwd.cast_for_call(self.dtype)
+            self._fwd.merged = None  # the cast copy holds the merge now
+        else:
+            self._fwd.refresh_fused()
 
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -140,7 +159,7 @@ class FastRolloutEngine:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model's is {tuple(target.shape)}")
             target.data.copy_(tensor)  # in place: captured graphs keep pointing at the right memory
-        self.weights_version = version  # marks the fused copies stale
+        self.weights_version = version  # marks the fused and kept cast copies stale
 
     @property
     def weights_version(self) -> int:
@@ -150,15 +169,13 @@ class FastRolloutEngine:
     def weights_version(self, version: int) -> None:
         """Recording a version is how the engine learns its weights changed (colocated sync, load_weights)."""
         self._weights_version = version
-        if self._fwd.fused is not None:
-            self._fwd.fused.stale = True
+        self._fwd.mark_stale()
 
     def sleep(self) -> None:
-        """Frees the KV cache, slot buffers, graphs and fused projection copies. The weights stay: they are the
-        trainer's tensors."""
+        """Frees the KV cache, slot buffers, graphs, fused projection copies and the kept cast copy. The weights
+        stay: they are the trainer's tensors."""
         self._buf, self._graphs = None, None
-        if self._fwd.fused is not None:
-            self._fwd.fused.release()
+        self._fwd.release_copies()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -197,8 +214,7 @@ class FastRolloutEngine:
         fingerprint = weight_fingerprint(model_weights(self.model))
         if fingerprint != self._fingerprint:  # parameters re-allocated: graphs hold stale addresses
             self._fingerprint, self._graphs = fingerprint, None
-            if self._fwd.fused is not None:  # and new values, most likely (FSDP2 unshards each call)
-                self._fwd.fused.stale = True
+            self._fwd.mark_stale()  # and new values, most likely (FSDP2 unshards each call)
         if self.use_cuda_graphs and self._graphs is None:
             self._graphs = DecodeGraphs(self._step, self._buf.step_state())
         return self._buf

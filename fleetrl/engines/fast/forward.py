@@ -25,6 +25,7 @@ from fleetrl.engines.fast.arch import (
     model_weights,
     rope_tables,
 )
+from fleetrl.engines.fast.cast import CastCopy
 from fleetrl.engines.fast.fused import FusedProjections
 
 
@@ -59,9 +60,12 @@ def _qkv(h: torch.Tensor, lw: Any, spec: DecoderSpec) -> tuple[torch.Tensor, tor
 
 class DecoderForward:
     def __init__(self, model: torch.nn.Module, spec: DecoderSpec, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device, kernels: Any | None, fuse: bool = False) -> None:
+                 device: torch.device, kernels: Any | None, fuse: bool = False, keep_cast: bool = False) -> None:
+        """dtype: the compute dtype. keep_cast: hold the copy of the weights in it between calls, at fixed addresses
+        (cast.py; the engine's choice under CUDA graphs when dtype is not the model's) instead of per call."""
         self.model = model
         self.spec = spec
+        self.dtype = dtype
         self.kernels = kernels
         self.scale = spec.head_dim ** -0.5
         self.cos, self.sin = rope_tables(model, max_seq_len, dtype, device)
@@ -69,9 +73,11 @@ class DecoderForward:
         # second stream, which the CUDA graph captures as parallel branches.
         self._side = torch.cuda.Stream(device) if kernels is not None and device.type == "cuda" else None
 
-        # A copy of the weights in the compute dtype, set for the duration of a generate call when the model's
-        # own dtype differs (fp32 trainer, bf16 decode); None = decode with the model's tensors in place.
+        # The weights in the compute dtype when the model's own dtype differs (fp32 trainer, bf16 decode): a copy
+        # made for one generate call (`cast_for_call`), or the kept copy's buffers (`refresh_cast`); None = decode
+        # with the model's tensors in place.
         self.shadow: ModelWeights | None = None
+        self.cast: CastCopy | None = CastCopy(dtype) if keep_cast else None
         # A LoRA actor's weights with its adapters merged (set by `merge_adapters`); None = no adapters.
         self.merged: ModelWeights | None = None
         # Fused q/k/v and gate/up copies (fused.py), read at fixed addresses; None = the model's own tensors. The
@@ -91,6 +97,30 @@ class DecoderForward:
         LoRA merge is new at every call, so it is always copied."""
         if self.fused is not None and (self.fused.stale or self.merged is not None):
             self.fused.refresh(self.merged if self.merged is not None else model_weights(self.model))
+
+    def refresh_cast(self) -> None:
+        """Points `shadow` at the kept compute-dtype copy (cast.py), brought up to the current (merged) weights in
+        place where the engine marked it stale; the fused buffers are allocated in the compute dtype and refreshed
+        as in `refresh_fused`, and read as they are: no unfused copy of q/k/v and gate/up is made."""
+        base = self.merged if self.merged is not None else model_weights(self.model)
+        if self.fused is not None:
+            if self.fused.stale or self.merged is not None:
+                self.fused.refresh(base, self.dtype)
+            base = self.fused.attach(base)
+        self.shadow = self.cast.refresh(base)
+
+    def mark_stale(self) -> None:
+        """The weights changed: the fused and kept cast copies are refreshed before the next decode reads them."""
+        for copy in (self.fused, self.cast):
+            if copy is not None:
+                copy.stale = True
+
+    def release_copies(self) -> None:
+        """Frees the fused and kept cast copies (captured graphs that read them must be dropped too)."""
+        self.shadow = None
+        for copy in (self.fused, self.cast):
+            if copy is not None:
+                copy.release()
 
     def merge_adapters(self, keep: bool, dtype: torch.dtype | None = None) -> None:
         """Merges the model's LoRA adapters (which change between calls) for the next call. `keep`: into the
