@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fleetrl"
 # docs/architecture.md's layer list, bottom up; a folder or top-level module of one entry imports its own entry or
 # lower ones ("then" in the doc is one entry per name).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("algo", "sandbox", "batch", "errors", "heartbeat", "netif", "userfile"),
+    ("algo", "sandbox", "batch", "cachedir", "errors", "heartbeat", "netif", "userfile"),
     ("config",),
     ("data",),
     ("models", "engines"),

@@ -82,7 +82,11 @@ class TrainingEngine:
         # The time of one gradient all-reduce of a bucket (seconds), measured once here; None on one rank.
         self.allreduce_s: float | None = None
         if dist_info.active:
-            _broadcast_from_rank0([p for p in model.parameters() if p.requires_grad], dist_info.group)
+            from fleetrl.engines.replicas import check_alike, unshared
+
+            # What the loader built alike on every rank is checked, not sent (engines/replicas.py).
+            _broadcast_from_rank0(unshared(model), dist_info.group)
+            check_alike(model, dist_info.group)
             self.allreduce_s = time_all_reduce(self.device, dist_info.group)
         # One rank too, when the worker made a group for it (workers/worker.py `init_dist`): FSDP2 with one shard.
         self.sharded = sharded and dist.is_initialized()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import re
 import warnings
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from fleetrl.config.schema import ModelConfig
 from fleetrl.errors import UserError
 from fleetrl.models import shapes, tiny
+from fleetrl.models.meta_init import mark_built_alike
 from fleetrl.models.sources import MODEL_SOURCES, ModelSourceError, is_model_source, resolve_source
 
 TINY_PREFIX = "tiny:"
@@ -104,29 +106,39 @@ def load_run_tokenizer(m: ModelConfig) -> PreTrainedTokenizerBase:
 
 def load_causal_lm(
     path_or_id: str, *, dtype: str = "float32", trust_remote_code: bool = False, gguf_file: str | None = None,
-    key: str | None = None,
+    key: str | None = None, device: torch.device | str | None = None,
 ) -> PreTrainedModel:
-    """A causal LM in eval mode on CPU, weights in `dtype` (float32 | bfloat16 | float16). `key`: the config key
-    `path_or_id` came from (model.path, ...), named by the error when it cannot be loaded."""
+    """A causal LM in eval mode on `device` (default CPU), weights in `dtype` (float32 | bfloat16 | float16). `key`:
+    the config key `path_or_id` came from (model.path, ...), named by the error when it cannot be loaded. A checkpoint
+    is read straight to the device (no host copy) where accelerate is installed; a random: shape is drawn there, or
+    left on the meta device (`device="meta"`) for meta_init.materialize to draw after sharding. Marked built alike
+    (meta_init.py): every process loading the same name gets the same weights, so ranks need not broadcast them."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
+    device = None if device is None else torch.device(device)
+    if device is not None and device.type == "meta" and not path_or_id.startswith(shapes.RANDOM_PREFIX):
+        raise ValueError(f"{_label(path_or_id, key)}: only a random: shape can be built on the meta device")
     _ignore_peft_checkpointing_alias()
-    if path_or_id.startswith(TINY_PREFIX):
-        return tiny.build_tiny_model(tiny.build_tiny_tokenizer(), **_parse_tiny(path_or_id, key)).to(torch_dtype)
+    if path_or_id.startswith(TINY_PREFIX):  # built on the host, then moved: golden losses pin these weights
+        model = tiny.build_tiny_model(tiny.build_tiny_tokenizer(), **_parse_tiny(path_or_id, key)).to(torch_dtype)
+        return mark_built_alike(model if device is None else model.to(device))
     if path_or_id.startswith(shapes.RANDOM_PREFIX):
-        return shapes.random_model(path_or_id, torch_dtype).eval()
+        return shapes.random_model(path_or_id, torch_dtype, device=device).eval()
     if is_model_source(path_or_id):
         path_or_id = resolve_source(path_or_id)
     source, kwargs = _resolve(path_or_id, gguf_file, key=key)
     if "gguf_file" in kwargs:
         _require("accelerate", path_or_id, key)  # transformers loads GGUF weights through accelerate
     dtype_kw = "dtype" if _transformers_at_least("4.56") else "torch_dtype"  # renamed in 4.56
+    if (device is not None and device.type != "cpu" and "gguf_file" not in kwargs
+            and importlib.util.find_spec("accelerate") is not None):
+        kwargs["device_map"] = {"": str(device)}  # each tensor from the file to the device (GGUF dequantises on the host)
     model = _from_pretrained(AutoModelForCausalLM, "causal LM", path_or_id, source, key=key,
                              trust_remote_code=trust_remote_code, **{dtype_kw: torch_dtype}, **kwargs)
     if "gguf_file" in kwargs:
         release_freed_memory()  # the dequantised numpy copies are garbage now; hand their pages back
-    return model.eval()
+    return mark_built_alike((model if device is None else model.to(device)).eval())
 
 
 def _ignore_peft_checkpointing_alias() -> None:

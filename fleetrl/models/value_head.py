@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from fleetrl.models.meta_init import built_alike, mark_built_alike
+
 
 def backbone_of(causal_lm: nn.Module) -> nn.Module:
     """The transformer body under a causal LM's head (`model.model` for Llama/Qwen2), found via HF's
@@ -58,4 +60,7 @@ def build_critic(causal_lm_or_path: PreTrainedModel | str, *, dtype: str = "floa
     else:
         backbone = copy.deepcopy(backbone_of(causal_lm_or_path))
     hidden_size = backbone.config.get_text_config().hidden_size
-    return CriticModel(backbone, hidden_size)
+    critic = CriticModel(backbone, hidden_size)
+    # Its head starts at zero: the critic of a model every rank built alike is built alike too (meta_init.py).
+    alike = built_alike(causal_lm_or_path) if isinstance(causal_lm_or_path, nn.Module) else True
+    return mark_built_alike(critic) if alike else critic

@@ -1,6 +1,7 @@
 """Actor (policy being trained) and reference model, as plain in-process components of a worker."""
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -8,13 +9,15 @@ import torch
 from fleetrl import heartbeat
 from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss, rollout_correction
 from fleetrl.batch import Batch
+from fleetrl.engines.replicas import check_same
 from fleetrl.engines.sharding import gathered_call
 from fleetrl.engines.training import DistInfo, TrainingEngine
-from fleetrl.models import varlen
+from fleetrl.models import shapes, varlen
 from fleetrl.models.decoder import NativeDecoder
 from fleetrl.models.hf import load_causal_lm
 from fleetrl.models.logprobs import sequence_logprobs
 from fleetrl.models.lora import apply_lora, store_frozen_base
+from fleetrl.models.meta_init import is_deferred, materialize
 from fleetrl.models.native import NativeForward
 from fleetrl.models.packing import CPU_ALIGN, PACK_ALIGN, HostRows, PackedForward, padded_token_slots
 from fleetrl.workers.context import WorkerContext, dtype_of
@@ -24,11 +27,16 @@ from fleetrl.workers.update import run_update
 
 
 def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.nn.Module:
+    """The policy's model, loaded or drawn straight on the worker's device. The trained actor of a random: shape under
+    FSDP2 (without LoRA, whose adapters would be drawn on the meta device too) stays on the meta device:
+    ActorComponent draws it once its engine has sharded it, so each rank allocates only its shard."""
     m = ctx.cfg.model
-    model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, key="model.path")
+    meta = (trainable and ctx.sharded("actor") and ctx.cfg.actor.lora is None
+            and m.path.startswith(shapes.RANDOM_PREFIX))
+    model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, key="model.path",
+                           device="meta" if meta else ctx.device())
     if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
-    model = model.to(ctx.device())
     if trainable and ctx.cfg.actor.compile and ctx.cfg.actor.forward == "hf" and ctx.device().type == "cuda":
         # Per decoder layer rather than the whole model: one graph reused by every layer, no graph breaks
         # from the HF wrapper code, and the fast rollout engine (own forward) is unaffected.
@@ -130,10 +138,20 @@ class ActorComponent:
             model, lora, gradient_checkpointing=ctx.cfg.model.gradient_checkpointing)
         if ctx.plan.lora_base_dtype is not None:
             store_frozen_base(model, dtype_of(ctx.plan.lora_base_dtype))
+        t0 = time.perf_counter()
         self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info,
                                      total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),
                                      sharded=ctx.sharded("actor"),
                                      autocast_dtype=None if ctx.plan.actor_autocast == "off" else dtype_of(ctx.plan.actor_autocast))
+        self.startup_s = {"engine": time.perf_counter() - t0}  # sharding, the all-reduce probe, the optimiser
+        if is_deferred(model):
+            # Built on the meta device (load_policy_model) and sharded by the engine: each rank keeps its shard of
+            # whole tensors drawn alike on every rank, and the ranks compare a few of those.
+            t0 = time.perf_counter()
+            stats = materialize(model, ctx.device())
+            if dist_info.active:
+                check_same(stats, dist_info.group, "actor")
+            self.startup_s["materialize"] = time.perf_counter() - t0
         self.packed = packed_forward(ctx, native=ctx.cfg.actor.forward == "native")
         self.native = native_forward(ctx, model, self.packed, ctx.cfg.actor.logprob_chunk)
 

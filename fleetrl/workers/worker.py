@@ -6,17 +6,20 @@ about Ray; `cluster/group.py` places it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from fleetrl import heartbeat
 from fleetrl.batch import Batch
+from fleetrl.cachedir import use_node_compile_cache
 from fleetrl.engines.training import DistInfo
 from fleetrl.netif import socket_ifname_env
 from fleetrl.workers.context import WorkerContext
@@ -30,6 +33,8 @@ from fleetrl.workers.messages import (
     UpdateSpec,
 )
 
+log = logging.getLogger("fleetrl.worker")
+
 
 class Worker:
     def __init__(self, ctx: WorkerContext) -> None:
@@ -39,6 +44,7 @@ class Worker:
         self.bus = None  # weight bus to a separate rollout pool (only actor rank 0 and rollout workers join)
         self.owns_group = False  # this worker made the process's default group (init_dist), so it destroys it
         self.local = None  # the rank-local step's held groups (workers/local_step.py), built on first use
+        self.startup_s: dict[str, float] = {}  # seconds of each part of `build`
 
     def timed(self, method: str, *args):
         """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
@@ -91,27 +97,32 @@ class Worker:
 
         ctx = self.ctx
         ctx.seed_everything()
+        use_node_compile_cache()  # before anything compiles: the ranks of a node share one cache
         info = DistInfo(rank=ctx.rank, world_size=ctx.world_size)
         roles = set(ctx.roles)
         model = None
+        clock = _Clock()
         if "actor" in roles or "rollout" in roles:
-            model = load_policy_model(ctx, trainable="actor" in roles)
+            model = clock.time("load", load_policy_model, ctx, trainable="actor" in roles)
         if "actor" in roles:
-            self.actor = ActorComponent(ctx, model, info)
+            self.actor = clock.time("actor", ActorComponent, ctx, model, info)
         if "rollout" in roles:
             from fleetrl.workers.rollout import RolloutComponent
 
-            self.rollout = RolloutComponent(ctx, model)
+            self.rollout = clock.time("rollout", RolloutComponent, ctx, model)
         if "ref" in roles:
-            self.ref = RefComponent(ctx, self.actor if ctx.plan.ref_from_actor else None)
+            self.ref = clock.time("ref", RefComponent, ctx, self.actor if ctx.plan.ref_from_actor else None)
         if "critic" in roles:
             from fleetrl.workers.critic import CriticComponent
 
-            self.critic = CriticComponent(ctx, info)
+            self.critic = clock.time("critic", CriticComponent, ctx, info)
         if "reward_model" in roles:
             from fleetrl.workers.reward_model import RewardModelComponent
 
             self.reward_model = RewardModelComponent(ctx)
+        # Seconds of each part of the build (the actor's split into its engine and its draw): bench/startup.py.
+        self.startup_s = {**clock.seconds, **{f"actor/{k}": v for k, v in getattr(self.actor, "startup_s", {}).items()}}
+        log.info("rank %d built in %s", ctx.rank, ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_s.items()))
 
     # ------------------------------------------------------------------ verbs
     def generate(self, batch: Batch, req: GenerateRequest) -> Batch:
@@ -280,6 +291,20 @@ class Worker:
             raise RuntimeError(f"worker rank {self.ctx.rank} of pool '{self.ctx.pool}' hosts roles "
                                f"{list(self.ctx.roles)}, not '{role}'")
         return comp
+
+
+class _Clock:
+    """Seconds of each named part of a build."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def time(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds[name] = time.perf_counter() - t0
 
 
 def _own_ip() -> str:

@@ -26,3 +26,35 @@ def test_random_shape_param_count():
 def test_unknown_shape():
     with pytest.raises(ValueError, match="unknown shape 'qwen9'"):
         load_causal_lm("random:qwen9")
+
+
+def test_qwen_tokenizer_conversion_is_cached_on_disk(tmp_path, monkeypatch):
+    """The tiktoken conversion runs once per version, then every process reads the converted file."""
+    import importlib
+
+    from tokenizers import Tokenizer, models
+
+    from fleetrl.models import shapes
+
+    # The module itself: `from transformers import convert_slow_tokenizer` gives a function of that name.
+    convert_slow_tokenizer = importlib.import_module("transformers.convert_slow_tokenizer")
+
+    converted = []
+
+    class Converter:  # stands in for the ~10 s conversion of the 151k-token file
+        def __init__(self, vocab_file: str, pattern: str) -> None:
+            converted.append(vocab_file)
+
+        def converted(self) -> Tokenizer:
+            return Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+
+    monkeypatch.setattr(convert_slow_tokenizer, "TikTokenConverter", Converter)
+    monkeypatch.setenv("FLEETRL_CACHE_DIR", str(tmp_path))
+    source = tmp_path / "qwen.tiktoken"
+    source.write_text("YQ== 0\n")
+    first = shapes._converted_file(source)
+    assert first is not None and first.parent == tmp_path / "tokenizers" and converted == [str(source)]
+    assert shapes._converted_file(source) == first and len(converted) == 1, "read back, not converted again"
+    assert Tokenizer.from_file(str(first)).get_vocab() == {"a": 0, "<unk>": 1}
+    source.write_text("Yg== 0\n")  # another file (another qwen-tokenizer release): another entry
+    assert shapes._converted_file(source) != first and len(converted) == 2
