@@ -12,7 +12,9 @@ collective) and each rank's; `ready_s`, launch to the end of the build on every 
     python bench/startup.py --model tiny: --world 2 --sharding fsdp2               # CPU: gloo
     python bench/startup.py --compare-build random:qwen2.5-0.5b                    # host draw, before and now
 
-`--set key=value` adds config overrides (e.g. --set rollout.engine=fast). Run from the repository root.
+On a GPU host the config gets actor.compile=true and, for a random: shape, model.dtype=bfloat16; `--set key=value`
+adds or overrides config keys (e.g. --set actor.forward=native --set rollout.engine=fast). Run from the repository
+root.
 """
 from __future__ import annotations
 
@@ -37,8 +39,10 @@ def _overrides(args: argparse.Namespace, gpu: bool) -> list[str]:
     out = [f"model.path={args.model}", f"actor.sharding={args.sharding}", f"{pool}.workers_per_node={args.world}",
            f"{pool}.gpus_per_worker={1 if gpu else 0}", "tracking.progress=false",
            f"data.prompts_per_step={4 * args.world}", "rollout.n=2", f"algorithm.micro_batch_size={args.rows}"]
-    if gpu and args.model.startswith("random:"):
-        out.append("model.dtype=bfloat16")
+    if gpu:  # the first log-prob pass and update then include compiling the decoder layers
+        out.append("actor.compile=true")
+        if args.model.startswith("random:"):
+            out.append("model.dtype=bfloat16")
     return out + list(args.set)
 
 
@@ -56,8 +60,9 @@ def _batch(rows: int, vocab: int, prompt: int = 32, response: int = 16):
 
 def _rank(rank: int, args: argparse.Namespace, port: int, launched: float, out: str) -> None:
     gpu = args.device == "cuda"
-    if gpu:  # before CUDA starts in this process, as Ray sets it for each actor
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    if gpu:  # before CUDA starts in this process, one GPU a rank, as Ray sets it for each actor
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[rank] if visible else str(rank)
     from fleetrl.config import derive_plan, load_config
     from fleetrl.workers.context import WorkerContext
     from fleetrl.workers.messages import MiniBatchCounts, UpdateSpec
