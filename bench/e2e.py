@@ -228,7 +228,16 @@ def summarize(rows: list[dict], stats: list[dict], plan, args, overrides: list[s
         "padding_waste": round(1 - real / slots, 4) if slots else None,
         "update_mfu": _update_mfu(stats or _fixed_length_stats(tokens, plan), phases["update_actor"],
                                   plan.config.model.path, device, g, body_tokens=real / len(rows) if real else None),
-        "rollout_logprob_diff_mean": statistics.mean(r["train/rollout_logprob_diff_mean"] for r in rows),
+        "rollout_logprob_diff_mean": statistics.mean(r.get("train/rollout_logprob_diff_mean", 0.0) for r in rows),
+        # the step's data path (trainer.rank_local: the samples stay on their rank; the score phase then runs
+        # inside generate, timed by the slowest rank) and what the controller costs: Ray's share of the calls'
+        # wall time, the per-sample bytes through the driver, and each verb's per-rank seconds (rank skew)
+        "rank_local": plan.rank_local,
+        "worker_call_overhead_s": statistics.mean(r.get("train/time/worker_call_overhead", 0.0) for r in rows),
+        "driver_bytes_per_step": statistics.mean(sum(v for k, v in r.items() if k.startswith("train/driver/bytes_"))
+                                                 for r in rows),
+        "rank_s": {k.removeprefix("train/time/rank/"): statistics.mean(r[k] for r in rows if k in r)
+                   for k in sorted({k for r in rows for k in r if k.startswith("train/time/rank/")})},
         "wall_s": time.time() - t0, "overrides": overrides, "tag": args.tag,
     }
 
