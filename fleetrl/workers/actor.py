@@ -59,6 +59,7 @@ def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temper
     model.eval()
     device = next(model.parameters()).device
     logps, ents = [], []
+    full_r = batch["response_mask"].shape[1]  # each micro-batch's outputs are padded back to the batch's width
     mbs = update_micro_batches(batch, micro, packed.max_tokens if packed else None, bool(packed and packed.share_prompts))
     for mb, real in engine.aligned(mbs) if engine is not None else ((mb, True) for mb in mbs):
         heartbeat.beat()
@@ -71,7 +72,6 @@ def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temper
                                 return_entropy=entropy, **extra)
         if not real:  # a repeat that keeps FSDP2's gathers in step with other ranks
             continue
-        full_r = mb.meta.get("full_response_len", lp.shape[1])
         logps.append(pad_response(lp.float().cpu(), full_r))
         if entropy:
             ents.append(pad_response(ent.float().cpu(), full_r))

@@ -34,8 +34,8 @@ class CriticComponent:
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
-        out = [pad_response(response_values(self.model, mb.to(self.ctx.device())).cpu(),
-                            mb.meta.get("full_response_len", mb["responses"].shape[1]))
+        full_r = batch["responses"].shape[1]  # trimmed micro-batches padded back to the batch's width
+        out = [pad_response(response_values(self.model, mb.to(self.ctx.device())).cpu(), full_r)
                for mb in micro_batches(batch, self.ctx.plan.micro_batch_size)]
         return Batch({"values": torch.cat(out)})
 

@@ -125,7 +125,7 @@ def trim_padding(mb: Batch) -> Batch:
             tensors[k] = v[:, :r1]
         else:
             tensors[k] = v
-    return Batch(tensors, dict(mb.fields), {**mb.meta, "full_response_len": full_r})
+    return Batch(tensors, dict(mb.fields), dict(mb.meta))
 
 
 def pad_response(x_BR: torch.Tensor, full_r: int) -> torch.Tensor:

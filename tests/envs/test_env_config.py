@@ -10,8 +10,8 @@ from fleetrl.batch import Batch
 from fleetrl.config import derive_plan, load_config
 from fleetrl.config.load import ConfigError
 from fleetrl.envs.check import check_env_config
-from fleetrl.trainer.metrics import episode_metrics
 from fleetrl.rewards.scorer import RewardScorer
+from fleetrl.trainer.metrics import episode_metrics
 from fleetrl.trainer.run import plan_for
 
 EXAMPLE = "examples/tools_lookup_tiny.yaml"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fleetrl.batch import Batch, GroupPartition
-from fleetrl.workers.layout import arrange_update, micro_batches, rank_minis
+from fleetrl.workers.layout import arrange_update, micro_batches, pad_response, rank_minis
 from fleetrl.workers.messages import MiniBatchCounts
 
 # Response lengths of the 8 samples; every prompt is 1 token, so a sample's token count is 1 + its length. The
@@ -68,4 +68,4 @@ def test_micro_batches_are_consecutive_with_a_short_last_one():
     assert [m["sid"].tolist() for m in mbs] == [[0, 1, 2], [3, 4, 5], [6, 7]]
     # Each keeps only the response columns some row uses: longest lengths 3, 4, 4.
     assert [m["responses"].shape[1] for m in mbs] == [3, 4, 4]
-    assert all(m.meta["full_response_len"] == 4 for m in mbs)
+    assert all(pad_response(m["responses"], 4).shape == (len(m), 4) for m in mbs)  # padded back to the batch's 4

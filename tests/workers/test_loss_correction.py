@@ -51,7 +51,7 @@ def _in_loss(layout: str, spec: CorrectionSpec) -> tuple[torch.Tensor, dict[str,
         mask = mb["response_mask"].float()
         w, m = _in_loss_correction(mb["old"], mb["rollout_logprobs"], mask, spec, share=mask.sum() / 6,
                                    has_tokens=bool(mask.any()))
-        weights.append(pad_response(w, mb.meta["full_response_len"]))
+        weights.append(pad_response(w, _batch()["response_mask"].shape[1]))
         for k, v in m.items():
             if not isinstance(v, Extreme):
                 shares[k] = shares.get(k, 0.0) + v

@@ -16,5 +16,5 @@ def test_micro_batches_drop_shared_padding_columns():
     assert mb["prompts"].tolist() == [[0, 5, 6], [7, 8, 9]]  # column 0 is padding in both rows
     assert mb["responses"].tolist() == [[4, 0], [4, 4]]  # last column is padding in both rows
     assert mb["advantages"].shape == (2, 2) and mb["scores"].tolist() == [1.0, 0.0]
-    assert mb.meta["full_response_len"] == 3
+    assert "full_response_len" not in mb.meta  # a control value is never a meta key: the caller knows the width
     assert pad_response(torch.ones(2, 2), 3).tolist() == [[1, 1, 0], [1, 1, 0]]
