@@ -119,6 +119,8 @@ class GradSync:
             while self._next < len(self.buckets):
                 self._launch_next()
             for b in self.buckets:
+                # bounded: the process group's timeout (cluster.init_timeout_s, workers/worker.py init_dist) ends
+                # a collective whose peer died, and the controller's watchdog reports a rank stuck here first
                 b.work.wait()
         finally:
             self._reset()
