@@ -105,7 +105,8 @@ class LocalStep:
         plan, w = self.ctx.plan, self.worker
         if role == "critic":
             return w.update_critic(self._held().pick(*critic_keys(plan)), spec)
-        return w.update_actor(self._held().pick(*actor_keys(plan)), spec)
+        batch, self.batch = self._held(), None  # the actor's update is the step's last use of its groups
+        return w.update_actor(batch.pick(*actor_keys(plan)), spec)
 
     def close(self) -> None:
         self.batch = None
