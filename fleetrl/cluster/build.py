@@ -5,7 +5,7 @@ import logging
 from pathlib import Path
 
 from fleetrl.cluster.envcheck import resolve_device_env
-from fleetrl.cluster.group import WorkerGroup
+from fleetrl.cluster.group import ActorFactory, WorkerGroup
 from fleetrl.cluster.placement import check_feasible, cluster_nodes
 from fleetrl.cluster.runtime import ensure_ray
 from fleetrl.config.plan import Plan
@@ -13,7 +13,9 @@ from fleetrl.config.plan import Plan
 log = logging.getLogger("fleetrl.cluster")
 
 
-def build_groups(plan: Plan, run_dir: Path | None = None) -> dict[str, WorkerGroup]:
+def build_groups(plan: Plan, run_dir: Path | None = None,
+                 make_actor: ActorFactory | None = None) -> dict[str, WorkerGroup]:
+    """`make_actor`: how each rank's Ray actor is made (cluster/group.py ActorFactory); None = fleetrl's Worker."""
     cfg = plan.config.cluster
     if cfg.backend == "local":
         return {name: WorkerGroup(plan, name, backend="local") for name in plan.pools}
@@ -23,7 +25,7 @@ def build_groups(plan: Plan, run_dir: Path | None = None) -> dict[str, WorkerGro
     groups: dict[str, WorkerGroup] = {}
     try:
         for name in plan.pools:
-            groups[name] = WorkerGroup(plan, name, backend="ray", env=env, run_dir=run_dir)
+            groups[name] = WorkerGroup(plan, name, backend="ray", env=env, run_dir=run_dir, make_actor=make_actor)
     except BaseException:
         for g in groups.values():
             g.shutdown()

@@ -28,6 +28,11 @@ from fleetrl.workers.worker import Worker
 SERIAL = "serial"  # the rollout's concurrency group in async mode: one call at a time on the engine
 # The verbs that use the rollout engine; the others (node_info, save_state, ...) must not queue behind generation.
 ENGINE_VERBS = frozenset({"generate", "generate_at", "load_published", "weights_version", "bus_receive"})
+# Makes one rank's actor from its context and the Ray actor options the group chose (placement, resources, env,
+# concurrency). The default makes fleetrl's Worker; bench/controller_scale.py passes simulated ranks, so the real
+# controller, calls and watchdog run against hundreds of ranks without models. The handle it returns answers
+# `timed`, `progress` (and `.options(...)` on them) like an actor handle.
+ActorFactory = Callable[[WorkerContext, dict[str, Any]], Any]
 
 
 class WorkerLostError(RuntimeError):
@@ -72,7 +77,7 @@ class _RayWorker(Worker):
 
 class WorkerGroup:
     def __init__(self, plan: Plan, pool_name: str, *, backend: str = "ray", env: dict[str, str] | None = None,
-                 run_dir: Path | None = None) -> None:
+                 run_dir: Path | None = None, make_actor: ActorFactory | None = None) -> None:
         self.plan = plan
         self.pool = plan.pools[pool_name]
         self.backend = backend
@@ -82,6 +87,7 @@ class WorkerGroup:
         self.bus_ready = False  # weight bus to a separate rollout pool connected (cluster/weight_sync.py)
         self.step = 0  # set by the controller each step: stall reports and dumps name it
         self.run_dir = run_dir
+        self.make_actor = make_actor
         self.deadlines = Deadlines(plan.config.cluster)
         # Async rollout pool: calls on the engine run in a one-thread concurrency group, so one queued behind a
         # running generation waits for it instead of entering the engine beside it; `progress` pings and the
@@ -116,11 +122,13 @@ class WorkerGroup:
         for rank in range(self.world_size):
             node_index = rank // self.pool.bundles_per_node
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=node_index)
-            workers.append(cls.options(
+            options = dict(
                 num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), resources=custom or None,
                 scheduling_strategy=strategy, runtime_env={"env_vars": dict(env)} if env else None,
                 max_concurrency=2,  # one slot stays free for health pings while a long call runs
-            ).remote(self._ctx(rank)))
+            )
+            ctx = self._ctx(rank)
+            workers.append(self.make_actor(ctx, options) if self.make_actor else cls.options(**options).remote(ctx))
         return workers
 
     # ---------------------------------------------------------------- calls
