@@ -10,6 +10,8 @@ during the run, and the peak resident memory of the process that hosts the worke
     PYTHONPATH=. python bench/cpu_smollm2.py --steps 3 --label arith_default
     PYTHONPATH=. python bench/cpu_smollm2.py --steps 3 --config examples/grpo_smollm2_lora.yaml --label lora
     PYTHONPATH=. python bench/cpu_smollm2.py --steps 4 --compare     # both configs above, one after the other
+    PYTHONPATH=. python bench/cpu_smollm2.py --steps 60 --config examples/grpo_smollm2_lora.yaml --rss-curve \
+        --onednn-cache 1024 --label rss_before --set rollout.max_new_tokens=32   # RSS per step; 1024: no bound
 
 Writes bench/results/cpu_smollm2_<label>.json (--compare: also cpu_smollm2_compare.json) and prints markdown rows.
 """
@@ -39,7 +41,8 @@ PHASES = ("generate", "score", "logprobs", "update", "sync", "step")
 class Sampler:
     """Samples, every `every` s, the RSS and CPU time (user + system) of this process and (with `children`) of each
     descendant (Ray workers descend from the raylet this driver started), and the 1-minute load average.
-    `step_cpu` holds the worker's CPU time when each step's record appeared in `metrics`."""
+    `step_cpu` holds the worker's CPU time when each step's record appeared in `metrics`; `step_rss` the worker's
+    RSS then and its peak since the previous step's record, in GiB (the RSS curve of a run)."""
 
     def __init__(self, children: bool, metrics: Path, every: float = 0.25) -> None:
         self.children, self.metrics, self.every = children, metrics, every
@@ -47,6 +50,8 @@ class Sampler:
         self.cpu: dict[int, float] = {}
         self.loads: list[float] = []
         self.step_cpu: list[float] = []
+        self.step_rss: list[dict[str, float]] = []
+        self._window_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -61,6 +66,7 @@ class Sampler:
     def _run(self) -> None:
         me = psutil.Process()
         start = sum(me.cpu_times()[:2])
+        now = 0
         while not self._stop.is_set():
             # Listing descendants scans /proc (costly at this rate): only when workers are other processes.
             for proc in [me, *(me.children(recursive=True) if self.children else [])]:
@@ -70,11 +76,16 @@ class Sampler:
                     continue
                 self.rss[proc.pid] = max(self.rss.get(proc.pid, 0), rss)
                 self.cpu[proc.pid] = cpu - (start if proc is me else 0.0)
+                if proc.pid == self.worker_pid():
+                    now, self._window_peak = rss, max(self._window_peak, rss)
             self.loads.append(os.getloadavg()[0])
             # Event lines (resumed, finished) share the file: count the step records only.
             lines = self.metrics.read_text().count('"train/time/step"') if self.metrics.is_file() else 0
             while len(self.step_cpu) < lines:
                 self.step_cpu.append(self.cpu.get(self.worker_pid(), 0.0))
+                self.step_rss.append({"step": len(self.step_cpu), "rss_gib": now / 2**30,
+                                      "peak_gib": self._window_peak / 2**30})
+                self._window_peak = now
             self._stop.wait(self.every)
 
     def worker_pid(self) -> int | None:
@@ -145,6 +156,10 @@ def run_one(args: argparse.Namespace) -> dict:
     # The local backend's worker reads these in-process; Ray workers get them through cluster.env.
     if args.omp_wait != "default":
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait.upper()  # read when libgomp loads: before torch is imported
+    if args.onednn_cache is not None:  # read at the first bf16 matmul; the worker's bound (64) keeps a set value
+        from fleetrl.workers.memory import ONEDNN_CACHE_VARIABLES
+
+        os.environ.update({k: str(args.onednn_cache) for k in ONEDNN_CACHE_VARIABLES})
 
     from fleetrl.config import derive_plan, load_config
     from fleetrl.trainer.run import run_plan
@@ -165,6 +180,7 @@ def run_one(args: argparse.Namespace) -> dict:
             "worker_cpu_s_per_step": smp.cpu_per_step(), "step_cpu_marks": smp.step_cpu,
             "load_avg_1m": {"min": min(loads), "mean": sum(loads) / len(loads), "max": max(loads)},
             "peak_rss_gib": smp.peak_gib(), "peak_rss_driver_gib": smp.rss.get(os.getpid(), 0) / 2**30,
+            "rss_curve": smp.step_rss,
             "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
@@ -208,6 +224,10 @@ def main() -> None:
                          "2-core VM 1.5x faster than passive: 27 vs 40 s/step, bench/RESULTS.md); passive: OpenMP "
                          "threads sleep between ops, for a machine shared with other jobs, where threads that spin "
                          "while their sibling is descheduled make every op up to 100x slower")
+    ap.add_argument("--rss-curve", action="store_true", help="print the worker's RSS after each step and its peak "
+                    "during it (always kept in the JSON as rss_curve); growth over a run that a 3-step run misses")
+    ap.add_argument("--onednn-cache", type=int, help="entries of oneDNN's and ideep's primitive caches (default: "
+                    "the worker's bound, workers/memory.py; 1024 = the libraries' own default, the code before it)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     if args.compare:
@@ -216,6 +236,9 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"cpu_smollm2_{record['label']}.json").write_text(json.dumps(record, indent=2))
     print(HEADER, row(record), sep="\n")
+    if args.rss_curve:
+        print("step: RSS after (peak during), GiB")
+        print(" ".join(f"{r['step']}:{r['rss_gib']:.2f}({r['peak_gib']:.2f})" for r in record["rss_curve"]))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ the largest over ranks and over the pools that report (workers/messages.py:Updat
 """
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from pathlib import Path
@@ -20,6 +21,18 @@ RSS = "memory/rss_peak_gib"
 GPU_ALLOCATED = "memory/gpu_peak_allocated_gib"
 GPU_RESERVED = "memory/gpu_peak_reserved_gib"
 
+# How many compiled matmul/convolution primitives oneDNN keeps, in each of its two caches: oneDNN's own primitive
+# cache and ideep's (the C++ layer between torch and oneDNN). Why bounded: torch runs CPU bf16 matmuls (the bf16
+# decode, the bf16-autocast update) through oneDNN, which compiles and caches one primitive per distinct shape, and
+# an RL step's shapes are new most steps (prompt + response token counts of prefills and packed rows). At the
+# default of 1024 entries in each (~0.35-0.7 MiB an entry for SmolLM2's projections) that is up to ~1 GiB, the climb
+# the SmolLM2 LoRA job showed over its first ~50 steps, and once full their evictions fragment glibc's arenas
+# (bench/RESULTS.md, "RSS over a whole run").
+# 64 still holds what repeats within a step: one micro-batch's forward + backward shapes (the 30 layers share them)
+# and the decode's. fp32 CPU matmuls (an AVX2-only CPU's precision under `auto`) do not go through these caches.
+ONEDNN_CACHE_CAPACITY = 64
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
 
 def memory_peaks(device: torch.device) -> dict[str, Extreme]:
     """This process's peak memory in GiB since the previous call (or the process start), then resets the peaks:
@@ -32,6 +45,15 @@ def memory_peaks(device: torch.device) -> dict[str, Extreme]:
         if torch.cuda.is_initialized():  # before CUDA's first use the peaks are 0 and a reset raises
             torch.cuda.reset_peak_memory_stats(device)
     return peaks
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> dict[str, str]:
+    """Caps oneDNN's and ideep's primitive caches of this process at `capacity` entries each, unless the
+    environment already names a capacity (cluster.env may). Returns the variables it set. Both libraries read the
+    variable once, at their first primitive: call before the process's first bf16 matmul (Worker.build)."""
+    set_now = {k: str(capacity) for k in ONEDNN_CACHE_VARIABLES if not os.environ.get(k)}
+    os.environ.update(set_now)
+    return set_now
 
 
 def rss_peak_gib() -> float:

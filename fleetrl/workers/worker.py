@@ -23,7 +23,7 @@ from fleetrl.cachedir import use_node_compile_cache
 from fleetrl.engines.training import DistInfo
 from fleetrl.netif import socket_ifname_env
 from fleetrl.workers.context import WorkerContext
-from fleetrl.workers.memory import memory_peaks
+from fleetrl.workers.memory import bound_onednn_caches, memory_peaks
 from fleetrl.workers.messages import (
     GenerateRequest,
     PrepareReport,
@@ -98,6 +98,7 @@ class Worker:
         ctx = self.ctx
         ctx.seed_everything()
         use_node_compile_cache()  # before anything compiles: the ranks of a node share one cache
+        bound_onednn_caches()  # before the first bf16 matmul: a shape-keyed cache must not grow all run
         info = DistInfo(rank=ctx.rank, world_size=ctx.world_size)
         roles = set(ctx.roles)
         model = None

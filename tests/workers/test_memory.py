@@ -61,3 +61,14 @@ def test_gpu_peaks_count_a_freed_tensor_and_reset():
     # reserved is what the allocator holds from the driver: at least what it handed to tensors
     assert peaks[GPU_RESERVED].value >= peaks[GPU_ALLOCATED].value
     assert memory_peaks(device)[GPU_ALLOCATED].value <= allocated0 + 0.01  # the 0.25 GiB is not in the new window
+
+
+def test_onednn_caches_are_bounded_unless_the_environment_names_a_capacity(monkeypatch):
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # so that the test's teardown restores the variable
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "1024")  # named by the user (cluster.env): kept
+    set_now = memory.bound_onednn_caches(64)
+    assert set_now == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+    assert memory.os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    assert memory.os.environ["LRU_CACHE_CAPACITY"] == "1024"
+    assert memory.bound_onednn_caches(64) == {}  # both named now: nothing to set
