@@ -4,7 +4,7 @@ Commands are read from README.md itself: each line of a ```bash block (`\\` cont
 dropped), each `$ ` line of an output block, and each inline code span that starts with a command word (`fleetrl`,
 `bash`, `pip`, `python3`, `pytest`, `scripts/`, after any `VAR=value`). COVERAGE maps every one of them, by its
 longest matching prefix, to the test that runs it: one of this module's (the command as written, with overrides
-appended only to shorten it, placeholders such as `runs/X/checkpoints/step_40` or `CONFIG` replaced by what an
+appended only to shorten it, placeholders such as `runs/<dir>/checkpoints/step_30` or `CONFIG` replaced by what an
 earlier command here made), or a test or CI step elsewhere with the reason it cannot run here (several machines,
 a GPU, the network). A README command that no row matches fails `test_every_readme_command_is_covered`; so does a
 row that matches no command, or names a test that does not exist.
@@ -54,8 +54,8 @@ COVERAGE: dict[str, Covered] = {
     "fleetrl train examples/quickstart.yaml": Covered(f"{HERE}::test_the_quickstart"),
     "fleetrl config show": Covered(f"{HERE}::test_config_show"),
     "fleetrl train examples/ppo_tiny.yaml": Covered(f"{HERE}::test_ppo_tiny"),
-    "fleetrl train examples/quickstart.yaml 'actor.lora=": Covered(f"{HERE}::test_lora_quickstart_then_export"),
-    "fleetrl export": Covered(f"{HERE}::test_lora_quickstart_then_export"),
+    "fleetrl train examples/quickstart.yaml 'actor.lora=": Covered(f"{HERE}::test_lora_quickstart"),
+    "fleetrl export": Covered(f"{HERE}::test_export_the_run_before_it"),
     "fleetrl doctor": Covered(f"{HERE}::test_doctor_checks_this_machine"),
     "fleetrl serve-reward --model": Covered(f"{HERE}::test_serve_reward_model_answers"),
     "fleetrl sweep examples/": Covered(f"{HERE}::test_sweep_then_report"),
@@ -178,6 +178,12 @@ def work(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def trained() -> dict[str, Path]:
+    """README `fleetrl train` command -> the run directory it made here (for the export's `runs/<dir>/...`)."""
+    return {}
+
+
 def _env(work: Path, **extra: str) -> dict[str, str]:
     """`fleetrl` on PATH is the one beside this interpreter (as scripts/test.sh sets it)."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -218,13 +224,14 @@ def _trained_steps(run_dir: Path) -> int:
     return steps[-1]
 
 
-def _train(command: str, work: Path, *append: str, timeout: float = 600) -> Path:
+def _train(command: str, work: Path, trained: dict[str, Path], *append: str, timeout: float = 600) -> Path:
     """A README `fleetrl train`, shortened; its run directory, after checking it trained every step asked for."""
     output = run(command, work, *append, timeout=timeout)
     run_dir = _run_dir(output, work)
     asked = int(_override(" ".join([command, *map(shlex.quote, append)]), "trainer.total_steps"))
     assert _trained_steps(run_dir) == asked, output[-3000:]
     assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / f"step_{asked}").is_dir()
+    trained[command] = run_dir
     return run_dir
 
 
@@ -245,7 +252,7 @@ def test_the_main_job_script_trains_with_what_is_installed(work):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_the_main_job_step_by_step(work):
+def test_the_main_job_step_by_step(work, trained):
     """The main job's two steps: the data as written, then the training shortened to one step. Through Ray as
     written: in the driver (cluster.backend=local) its first step took 3x as long on the 2-core VM (generate
     120 s against 13 s, update 202 against 82, minutes apart on a busy machine)."""
@@ -258,14 +265,14 @@ def test_the_main_job_step_by_step(work):
         rows = pq.read_metadata(out / f"{split}.parquet").num_rows
         assert rows == int(_option(make, n)), f"{out / split}.parquet: {rows} rows"
     [train] = commands_of("fleetrl train examples/grpo_smollm2_lora.yaml")
-    _train(train, work, "trainer.total_steps=1", "trainer.val_every=0", "trainer.val_before_train=false",
+    _train(train, work, trained, "trainer.total_steps=1", "trainer.val_every=0", "trainer.val_before_train=false",
            "tracking.tensorboard=false", timeout=1100)
 
 
 @pytest.mark.slow
-def test_the_quickstart(work):
+def test_the_quickstart(work, trained):
     [command] = commands_of("fleetrl train examples/quickstart.yaml")
-    _train(command, work, *SHORT_TRAIN)
+    _train(command, work, trained, *SHORT_TRAIN)
 
 
 @pytest.mark.slow
@@ -278,25 +285,34 @@ def test_config_show(work):
 
 
 @pytest.mark.slow
-def test_ppo_tiny(work):
+def test_ppo_tiny(work, trained):
     [command] = commands_of("fleetrl train examples/ppo_tiny.yaml")
-    run_dir = _train(command, work, *SHORT_TRAIN)
+    run_dir = _train(command, work, trained, *SHORT_TRAIN)
     records = (run_dir / "metrics.jsonl").read_text()
     assert "train/critic/" in records, "the PPO example trained no critic"
 
 
 @pytest.mark.slow
-def test_lora_quickstart_then_export(work):
-    """The LoRA quickstart, then the export of its last checkpoint (the README's `runs/X/checkpoints/step_40`)."""
+def test_lora_quickstart(work, trained):
     [command] = commands_of("fleetrl train examples/quickstart.yaml 'actor.lora=")
-    run_dir = _train(command, work, *SHORT_TRAIN)
-    checkpoint = run_dir / "checkpoints" / "step_2"
+    _train(command, work, trained, *SHORT_TRAIN)
+
+
+@pytest.mark.slow
+def test_export_the_run_before_it(work, trained):
+    """Each `fleetrl export runs/<dir>/checkpoints/step_N --hf out/` exports the last checkpoint of the README's
+    `fleetrl train` before it: the main job's SmolLM2 LoRA run, the LoRA quickstart."""
     for export in commands_of("fleetrl export"):
-        export = re.sub(r"runs/X/checkpoints/step_\d+", str(checkpoint.relative_to(work)), export)
-        run(export, work)
+        before = [c for c in COMMANDS[:COMMANDS.index(export)] if c.startswith("fleetrl train")]
+        assert before and before[-1] in trained, f"{export}: its run ({before[-1:]}) did not train here"
+        checkpoint = max((trained[before[-1]] / "checkpoints").glob("step_*"), key=lambda d: int(d.name[5:]))
+        export = re.sub(r"runs/\S+/checkpoints/step_\d+", str(checkpoint.relative_to(work)), export)
         hf = work / _option(export, "--hf")
+        shutil.rmtree(hf, ignore_errors=True)  # the README's exports share one out/
+        run(export, work)
         assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors")), sorted(hf.iterdir())
-        assert json.loads((hf / "config.json").read_text())["model_type"] == "llama"
+        config = json.loads((hf / "config.json").read_text())
+        assert config["model_type"] == "llama" and "quantization_config" not in config, config
 
 
 @pytest.mark.slow
