@@ -26,8 +26,8 @@ fused_logprobs.FUSE_ON_CPU = False
 # modules last (SmolLM2, ~250 s, was 121st of 123), so one of them can still be running when the other workers
 # have nothing left; starting the longest first (LPT) lets the many short modules fill in around them.
 LONGEST_FIRST = (
-    "tests/integration/test_readme_commands.py",     # ~1070 on a busy 2-core box (load 6-20; ~5 min expected idle):
-                                                     # every README command, 2 one-step SmolLM2 runs, a 6-run sweep
+    "tests/integration/test_readme_commands.py",     # 400-775 alone on the shared 2-core box at load 5-14: every
+                                                     # README command, 2 one-step SmolLM2 runs, a 6-run sweep
     "tests/integration/test_netns_hosts.py",         # ~400: 4 runs, each with its own 2-host Ray cluster
     "tests/sweep/test_sweep_e2e.py",                 # ~280: sweeps of CLI subprocesses
     "tests/integration/test_smollm2_learning.py",    # ~160 alone, ~300 in CI: 12 GRPO steps of a 135M model
