@@ -61,6 +61,12 @@ class Call:
     info: dict  # Worker.node_info of the worker: ip, pid, node_id
 
 
+# The rank-local step's verbs (workers/local_step.py) and the driver-path verb of the same phase, so that
+# cluster.call_timeouts={generate: 900} bounds a colocated plan's rollout as it does a separate pool's.
+SAME_PHASE = {"rollout_local": "generate", "prepare_local": "compute_logprobs",
+              "update_actor_local": "update_actor", "update_critic_local": "update_critic"}
+
+
 @dataclass
 class Deadlines:
     """Per-verb call deadlines from recent durations (see module docstring)."""
@@ -68,8 +74,9 @@ class Deadlines:
     history: dict[str, deque] = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=AUTO_HISTORY)))
 
     def of(self, verb: str) -> float:
-        if verb in self.cfg.call_timeouts:
-            return float(self.cfg.call_timeouts[verb])
+        for name in (verb, SAME_PHASE.get(verb)):  # the rank-local verbs honour their phase's deadline too
+            if name in self.cfg.call_timeouts:
+                return float(self.cfg.call_timeouts[name])
         if self.cfg.call_timeout_s != "auto":
             return float(self.cfg.call_timeout_s)
         seen = self.history[verb]

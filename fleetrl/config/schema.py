@@ -406,7 +406,9 @@ class ClusterConfig:
     first_call_timeout_s: float = 1800.0
     """auto deadline of the first call of a verb (model load, compile, CUDA-graph capture happen there)."""
     call_timeouts: Mapping[str, float] = field(default_factory=FrozenDict)
-    """Per-verb deadlines, e.g. {generate: 900, update_actor: 1200}."""
+    """Per-verb deadlines, e.g. {generate: 900, update_actor: 1200}; the rank-local step's verbs (rollout_local,
+    prepare_local, update_actor_local, update_critic_local) take their own name or their phase's (generate,
+    compute_logprobs, update_actor, update_critic)."""
     stall_s: float = 120.0
     """A worker call whose progress (decode steps, micro-batches, weight buckets) has not moved, or whose worker
     does not answer at all, for this long is a stall: stacks are dumped and the run recovers (docs/hangs.md)."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 # Substrings of the names: train/time/* and val/time/* (worker_call_overhead among them), the throughput, and
 # the workers' memory peaks (workers/memory.py).
-MACHINE_MARKERS = ("time/", "tokens_per_s", "worker_call_overhead", "memory/")
+# train/driver/bytes_* measure the data path (rank-local or through the controller), not the learning.
+MACHINE_MARKERS = ("time/", "tokens_per_s", "worker_call_overhead", "memory/", "driver/bytes")
 # Seconds elsewhere in the tree end in "_s": the environments' tool and wait times (train/env/tool_time_s,
 # env_wait_s) and the async pipeline's waits (async/actor_wait_s, rollout_busy_s, rollout_idle_s).
 SECONDS_SUFFIX = "_s"

@@ -64,7 +64,7 @@ def _cli(tmp_path, *args):
 
 def test_no_restarts_left_exits_nonzero_with_the_message_and_no_ray_left(tmp_path):
     proc = _cli(tmp_path, "trainer.total_steps=4", "trainer.max_restarts=0",
-                f"cluster.env={{FLEETRL_FAULT_STOP: 'generate:2:{tmp_path / 'fired'}'}}")
+                f"cluster.env={{FLEETRL_FAULT_STOP: 'rollout_local:2:{tmp_path / 'fired'}'}}")
     children = []
     while proc.poll() is None and not children:
         time.sleep(1)
@@ -72,7 +72,7 @@ def test_no_restarts_left_exits_nonzero_with_the_message_and_no_ray_left(tmp_pat
     text, _ = proc.communicate(timeout=180)
     assert proc.returncode == 1, text
     error = [ln for ln in text.splitlines() if ln.startswith("error: ")]
-    assert error and "pool 'main' rank 0" in error[0] and "in phase 'generate'" in error[0], text[-2000:]
+    assert error and "pool 'main' rank 0" in error[0] and "in phase 'rollout_local'" in error[0], text[-2000:]
     assert "Traceback" not in text
     time.sleep(2)
     assert children, "the CLI ended before any Ray process of it was seen: nothing was checked"
