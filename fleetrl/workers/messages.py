@@ -6,12 +6,13 @@ re-derive it from which tensors a Batch happens to hold. `Batch.meta` carries di
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Callable, Iterable, Literal, Mapping, Sequence, TypeVar
 
 import torch
 
 from fleetrl.config.frozen import FrozenDict
 
+T = TypeVar("T")
 OldLogprobs = Literal["recomputed", "current"]
 LossMask = Literal["response_mask", "loss_mask"]
 
@@ -132,10 +133,15 @@ class UpdateMetrics:
 
 def combine_extremes(parts: Iterable[Mapping[str, Extreme]]) -> dict[str, Extreme]:
     """Each name's max (or min) over the parts that have it."""
-    out: dict[str, Extreme] = {}
+    return _by_name(parts, Extreme.combine)
+
+
+def _by_name(parts: Iterable[Mapping[str, T]], join: Callable[[T, T], T]) -> dict[str, T]:
+    """The parts' values joined name by name, a name kept from the parts that have it."""
+    out: dict[str, T] = {}
     for part in parts:
         for k, v in part.items():
-            out[k] = v if k not in out else out[k].combine(v)
+            out[k] = v if k not in out else join(out[k], v)
     return out
 
 
@@ -176,11 +182,8 @@ class Moments:
 
 
 def merge_moments(parts: Iterable[Mapping[str, Moments]]) -> dict[str, Moments]:
-    out: dict[str, Moments] = {}
-    for part in parts:
-        for k, v in part.items():
-            out[k] = v if k not in out else out[k].merge(v)
-    return out
+    """Each name's moments over the parts (ranks) that report it."""
+    return _by_name(parts, Moments.merge)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,7 +12,7 @@ import socket
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from fleetrl.workers.messages import (
     UpdateSpec,
 )
 
+if TYPE_CHECKING:  # imported where first used (Worker._local): local_step imports this module's neighbours
+    from fleetrl.workers.local_step import LocalStep
+
 log = logging.getLogger("fleetrl.worker")
 
 
@@ -43,7 +46,7 @@ class Worker:
         self.actor = self.critic = self.ref = self.rollout = self.reward_model = None
         self.bus = None  # weight bus to a separate rollout pool (only actor rank 0 and rollout workers join)
         self.owns_group = False  # this worker made the process's default group (init_dist), so it destroys it
-        self.local = None  # the rank-local step's held groups (workers/local_step.py), built on first use
+        self.local: LocalStep | None = None  # the rank-local step's held groups (workers/local_step.py), built on first use
         self.startup_s: dict[str, float] = {}  # seconds of each part of `build`
 
     def timed(self, method: str, *args):
@@ -187,7 +190,7 @@ class Worker:
     def update_critic_local(self, spec: UpdateSpec) -> UpdateMetrics:
         return self._with_memory(self._local().update("critic", spec))
 
-    def _local(self):
+    def _local(self) -> "LocalStep":
         if self.local is None:
             from fleetrl.workers.local_step import LocalStep
 
