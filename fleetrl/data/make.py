@@ -162,6 +162,11 @@ def _reasoning_gym(task: str, n_train: int, n_val: int, seed: int,
     train = examples[:n_train]
     seen = {e.question for e in train}
     val = [e for e in examples[n_train:] if e.question not in seen][:n_val]
+    if len(val) < n_val:
+        # A small task (e.g. one-digit sums: ~240 distinct questions) runs out of questions training has not seen.
+        raise DataError(f"data make: only {len(val)} of the --n-val {n_val} validation questions of {task!r} differ "
+                        f"from the {len(seen)} distinct training ones (the task has few distinct questions); "
+                        "lower --n-train or --n-val, or widen the task's options")
     return train, val
 
 

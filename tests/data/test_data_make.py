@@ -107,6 +107,16 @@ def test_unknown_task_lists_known_ones_with_did_you_mean(tmp_path):
         make_data("chain_sum", tmp_path, options={"max_termz": 2})
 
 
+def test_a_task_too_small_for_its_held_out_set_is_refused_not_silently_short(tmp_path):
+    # one-digit a + b has 10 x 10 distinct questions at most: 500 training rows see them all, so no question is
+    # left to hold out; the run would otherwise start with no validation file
+    with pytest.raises(DataError, match=r"only 0 of the --n-val 20 validation questions .* lower --n-train"):
+        make_data("basic_arithmetic", tmp_path, n_train=500, n_val=20, seed=0,
+                  options={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"],
+                           "allow_parentheses": False, "allow_negation": False})
+    assert not (tmp_path / "train.parquet").exists()  # nothing half-written
+
+
 def test_parse_options():
     assert parse_options(["max_terms=2", "operators=+,-", "allow_negation=false", 'ops=["*"]']) == {
         "max_terms": 2, "operators": ["+", "-"], "allow_negation": False, "ops": ["*"]}

