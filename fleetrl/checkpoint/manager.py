@@ -21,18 +21,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import torch
+import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fleetrl.checkpoint.export import CheckpointError, read_meta
 from fleetrl.checkpoint.integrity import CHECKSUMS, COMPLETE_MARK, file_checksums, run_dir_of, validate_checkpoint
-from fleetrl.config import dump_yaml, write_config
-from fleetrl.config.load import redact_yaml_text, to_dict
+from fleetrl.config import redacted_dict, write_config
+from fleetrl.config.load import redact_secrets, to_dict
 from fleetrl.config.schema import RunConfig
 
 if TYPE_CHECKING:
     from fleetrl.cluster.group import WorkerGroup
 
 log = logging.getLogger("fleetrl.checkpoint")
+# Config keys that say how a run is driven (where it writes, how it resumes, what it saves, logs and prints, how
+# long it waits), not what it trains: load_checkpoint leaves them out of its diff, since a resume changes some of
+# them nearly every time (trainer.resume never -> auto) and a reported change must mean the training differs.
+# A section name stands for all of its keys.
+RUN_CONTROL_KEYS = frozenset({
+    "trainer.resume", "trainer.output_dir", "trainer.name", "trainer.save_every", "trainer.save_last",
+    "trainer.keep_last", "trainer.keep_every", "trainer.export_every", "trainer.delta_checkpoints",
+    "trainer.max_restarts", "trainer.restart_wait_s", "tracking", "cluster.address", "cluster.num_cpus",
+    "cluster.placement_timeout_s", "cluster.init_timeout_s", "cluster.call_timeout_s", "cluster.first_call_timeout_s",
+    "cluster.call_timeouts", "cluster.stall_s", "cluster.first_call_stall_s"})
+# (path, problem) of each broken checkpoint already warned about: a run looks for its resume point more than once
+# (run.py's early check, then the Trainer's load; again at a stop or a recovery), and says so once.
+_warned: set[tuple[Path, str]] = set()
 __all__ = ["CheckpointError", "Stateful", "find_resume", "load_checkpoint", "other_model_message", "save_checkpoint",
            "validate_checkpoint"]
 
@@ -83,7 +97,7 @@ def save_checkpoint(out_dir: Path, step: int, *, groups: Sequence["WorkerGroup"]
 def load_checkpoint(path: Path, *, groups: Sequence["WorkerGroup"], state: Mapping[str, Stateful],
                     config: RunConfig) -> str:
     """Loads every worker's share and the controller's parts. Returns the diff of the checkpoint's config
-    against `config` ('' when equal) for the caller to report."""
+    against `config` ('' when equal) for the caller to report, leaving out RUN_CONTROL_KEYS."""
     from fleetrl.workers.worker import Worker
 
     saved = torch.load(path / "controller.pt", weights_only=False)
@@ -100,10 +114,18 @@ def load_checkpoint(path: Path, *, groups: Sequence["WorkerGroup"], state: Mappi
         part.load_state_dict(saved[name])
     # Both sides redacted: a secret neither leaks into the log nor shows up as a change (older checkpoints
     # stored it in clear).
-    saved_yaml = redact_yaml_text((path / "config.yaml").read_text())
-    diff = difflib.unified_diff(saved_yaml.splitlines(), dump_yaml(config).splitlines(),
+    saved_config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    diff = difflib.unified_diff(_trained_yaml(redact_secrets(saved_config)), _trained_yaml(redacted_dict(config)),
                                 "checkpoint config", "current config", lineterm="", n=0)
     return "\n".join(list(diff)[2:])
+
+
+def _trained_yaml(data: dict[str, Any]) -> list[str]:
+    """The lines of `data` (a config as plain data) as YAML, without RUN_CONTROL_KEYS."""
+    kept = {section: {k: v for k, v in value.items() if f"{section}.{k}" not in RUN_CONTROL_KEYS}
+            if isinstance(value, dict) else value
+            for section, value in data.items() if section not in RUN_CONTROL_KEYS}
+    return yaml.safe_dump(kept, sort_keys=False).splitlines()
 
 
 def _save_delta(actor: "WorkerGroup", config: RunConfig, root: Path, step: int, tmp: Path, meta: dict) -> None:
@@ -200,7 +222,9 @@ def _newest_intact(out_dir: Path | None) -> Path | None:
         problem = validate_checkpoint(path)
         if problem is None:
             return path
-        log.warning("skipping checkpoint %s: %s", path, problem)
+        if (path, problem) not in _warned:
+            _warned.add((path, problem))
+            log.warning("skipping checkpoint %s: %s", path, problem)
         problems.append(f"{path.name}: {problem}")
     if problems:
         # Starting from step 0 here would silently throw the run's progress away and mix a new run into its dir.

@@ -1,6 +1,7 @@
 """What `trainer.resume` and `fleetrl export` say about a path that is no checkpoint, a checkpoint of another model,
 a truncated shard and a bad --dtype: a CheckpointError naming the path and what to pass instead."""
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from fleetrl.checkpoint.export import CheckpointError, export_hf, write_hf_folder
 from fleetrl.checkpoint.integrity import file_checksums, validate_checkpoint
 from fleetrl.checkpoint.manager import find_resume, load_checkpoint
-from fleetrl.config import load_config
+from fleetrl.config import load_config, write_config
 from fleetrl.models.hf import load_causal_lm, load_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -132,3 +133,30 @@ def test_export_bad_dtype_names_the_flag(tmp_path):
 def test_export_of_a_missing_path_does_not_exist(tmp_path):
     with pytest.raises(CheckpointError, match=r"checkpoint '.*/nope' does not exist \(resolved to"):
         export_hf(tmp_path / "nope", tmp_path / "hf")
+
+
+def test_a_broken_checkpoint_is_reported_once(tmp_path, caplog):
+    # `fleetrl train` looks for its resume point twice (run.py's early check, then the Trainer's load): the same
+    # broken step_2 must be warned about once, not once per look.
+    _loadable(tmp_path / "checkpoints" / "step_1", "tiny:")
+    (tmp_path / "checkpoints" / "step_2").mkdir()  # an interrupted save: no meta.json
+    with caplog.at_level(logging.WARNING, logger="fleetrl.checkpoint"):
+        found = [find_resume(tmp_path, "auto") for _ in range(2)]
+    assert found == [tmp_path / "checkpoints" / "step_1"] * 2
+    skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert skipped == [f"skipping checkpoint {tmp_path / 'checkpoints' / 'step_2'}: incomplete (no meta.json; the save "
+                       f"was interrupted)"]
+
+
+def test_run_control_keys_are_not_a_config_change_on_resume(tmp_path):
+    ckpt = _loadable(tmp_path / "step_2", "tiny:")
+    write_config(ckpt / "config.yaml", load_config("examples/ppo_tiny.yaml", ["trainer.output_dir=/runs/a"]))
+    # Where the run writes, how it resumes, what it saves and prints: none of it changes what is trained.
+    control = ["trainer.output_dir=/runs/b", "trainer.resume=auto", "trainer.name=again", "trainer.save_every=7",
+               "trainer.keep_last=1", "trainer.max_restarts=2", "tracking.progress=false", "tracking.console=false"]
+    cfg = load_config("examples/ppo_tiny.yaml", control)
+    assert load_checkpoint(ckpt, groups=[], state={}, config=cfg) == ""
+    # A change to what is trained still shows, and only it (the run-control keys stay out of the diff).
+    changed = load_config("examples/ppo_tiny.yaml", [*control, "trainer.total_steps=99"])
+    diff = load_checkpoint(ckpt, groups=[], state={}, config=changed)
+    assert [line for line in diff.splitlines() if line[0] in "+-"] == ["-  total_steps: 160", "+  total_steps: 99"]
