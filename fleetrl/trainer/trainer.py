@@ -270,6 +270,10 @@ class Trainer:
 
         path = find_resume(self.out_dir, self.resume)
         if path is None:
+            # From step 0 over records already in metrics.jsonl (a recovery before the first checkpoint, or
+            # resume=auto after a sweep's restart event): every step after 0 is written again and superseded.
+            if _has_records(self.out_dir / "metrics.jsonl"):
+                self.tracker.event(0, "resumed", path=None, supersedes_after=0)
             return
         diff = load_checkpoint(path, groups=list(self.groups.values()), state=self.state(), config=self.cfg)
         # Only now is this config accepted (the workers' load refuses another model's weights): run.py leaves the
@@ -368,3 +372,8 @@ class Trainer:
 def _update_metrics(reports: list[list[UpdateMetrics]]) -> dict[str, float]:
     """The roles' update reports (per role, per rank) as train/* metrics."""
     return {f"train/{k}": v for k, v in UpdateMetrics.reduce_roles(reports).items()}
+
+
+def _has_records(metrics: Path) -> bool:
+    """Whether metrics.jsonl holds anything (the tracker writes it line-buffered, so its size is current)."""
+    return metrics.is_file() and metrics.stat().st_size > 0
