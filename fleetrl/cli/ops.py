@@ -257,8 +257,8 @@ def serve_reward(
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="0 = any free port."),
     token_file: Optional[Path] = typer.Option(None, "--token-file", help="File holding the bearer token "
                                               "(default: FLEETRL_REWARD_TOKEN); required beyond loopback."),
-    token: Optional[str] = typer.Option(None, "--token", help="Bearer token (visible in `ps`: prefer "
-                                                              "--token-file or FLEETRL_REWARD_TOKEN)."),
+    token: Optional[str] = typer.Option(None, "--token", hidden=True, help="Refused: a token on the command "
+                                        "line is visible in `ps`; use --token-file or FLEETRL_REWARD_TOKEN."),
     max_body_bytes: int = typer.Option(64 * 2**20, "--max-body-bytes"),
     timeout: float = typer.Option(30.0, "--timeout", help="Per-sample scoring limit (s)."),
     max_connections: int = typer.Option(32, "--max-connections", help="Requests handled at once; more get 503."),
@@ -266,13 +266,19 @@ def serve_reward(
                                                                     "head, or stall while sending a body."),
 ) -> None:
     """Serve a reward function or a reward model over HTTP (GET /health, POST /score)."""
+    # Refused, not warned: any user reads argv in `ps` while the server runs. Checked before the (slow) imports below;
+    # the variable is rewards.server.TOKEN_ENV, spelled out here for the same reason.
+    if token is not None:
+        raise ValueError("--token on the command line is visible to every user of this machine in `ps`; pass the "
+                         "token through the environment (FLEETRL_REWARD_TOKEN=TOKEN fleetrl serve-reward ...) or a "
+                         "file (--token-file FILE, readable only by you), and choose a new token: this one was exposed")
     from fleetrl.config.load import build
     from fleetrl.config.reward_model import RewardModelConfig
     from fleetrl.rewards.server import ServeOptions, resolve_token, serve
 
     rm = None if model is None else build(RewardModelConfig, {"path": model, "kind": kind, "max_length": max_length},
                                           "--model")
-    serve(ServeOptions(fn=fn, model=rm, host=host, port=port, token=resolve_token(token, token_file),
+    serve(ServeOptions(fn=fn, model=rm, host=host, port=port, token=resolve_token(token_file),
                        max_body_bytes=max_body_bytes, timeout_s=timeout, max_connections=max_connections,
                        read_timeout_s=read_timeout))
 

@@ -175,7 +175,7 @@ class RemoteRewardClient:
         r = requests.post(f"{url}/score", json=payload, headers=self._headers,
                           timeout=(self.connect_timeout_s, self.timeout_s))
         if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
-            hint = {401: " (set rewards.remote_token to the server's --token)",
+            hint = {401: " (set rewards.remote_token to the server's token: its --token-file or FLEETRL_REWARD_TOKEN)",
                     413: " (send smaller batches or start the server with a larger --max-body-bytes)"}
             raise _Refused(f"{url} refused the batch: HTTP {r.status_code} {_error_text(r)}"
                            f"{hint.get(r.status_code, '')}")

@@ -9,15 +9,18 @@ With `--model` the server hosts a reward model instead (config/reward_model.py; 
 scores (prompt, response): the body then needs `prompts` too (text or chat messages, one per response), which
 the trainer's client sends. Otherwise scoring goes through the same RewardRunner as local rewards, so a stuck or crashing scorer costs one
 sample's default score, never a hung request. Every route needs `Authorization: Bearer TOKEN` when a token
-is set, and a token is mandatory whenever the server listens beyond loopback. Bodies above
-`max_body_bytes` are refused with 413 before they are read.
+is set (from `--token-file` or FLEETRL_REWARD_TOKEN, never the command line), and a token is mandatory whenever
+the server listens beyond loopback. Bodies above `max_body_bytes` are refused with 413 before they are read; a
+body with a wrongly typed field, or JSON nested deeper than MAX_JSON_DEPTH levels, gets a 400 naming the fix.
 
 A server meant to face a network must not let idle or half-sent connections use it up (slowloris). One
 selector thread accepts connections and reads each request's head without blocking; a connection gets a
 handler thread only once its head is complete, and at most `max_connections` handler threads exist (beyond
 that: 503 at once). A head not complete within `read_timeout_s`, or a body read that stalls for as long, closes
 the connection; at most `max_pending` connections may be waiting for their head (beyond that: closed at
-accept). Every answer closes its connection, so an idle keep-alive never holds a thread.
+accept). Every answer closes its connection, so an idle keep-alive never holds a thread. GET /health is answered
+by the selector thread itself, without a handler slot: clients holding every slot cannot make a live server look
+dead to health checks.
 """
 from __future__ import annotations
 
@@ -33,9 +36,10 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fleetrl.config.reward_model import RewardModelConfig
 from fleetrl.rewards.errors import RewardError
@@ -46,6 +50,10 @@ log = logging.getLogger("fleetrl.rewards.server")
 FIELDS = ("responses", "ground_truths", "data_sources", "extra_infos")
 MAX_HEAD_BYTES = 64 * 2**10
 TOKEN_ENV = "FLEETRL_REWARD_TOKEN"
+MAX_JSON_DEPTH = 100
+"""Containers nested in a request body (the body object counts 1). Real batches need a handful; json's C parser
+recurses once per level and raises RecursionError near 1000, which must be a 400, not a dropped connection."""
+_UNAUTHORIZED = {"error": "missing or wrong bearer token; clients pass the server's token (rewards.remote_token)"}
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
@@ -71,11 +79,9 @@ class ServeOptions:
     """Connections that may wait for their request head at once (file descriptors only, no threads)."""
 
 
-def resolve_token(token: str | None, token_file: Path | None, environ: Mapping[str, str] = os.environ) -> str | None:
-    """The server's token from --token-file, else FLEETRL_REWARD_TOKEN, else --token (visible in `ps`: warned)."""
-    if token and token_file:
-        raise ValueError("pass either --token-file or --token, not both (prefer --token-file or "
-                         f"{TOKEN_ENV}: a --token on the command line is visible to every user in `ps`)")
+def resolve_token(token_file: Path | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The server's token from --token-file, else FLEETRL_REWARD_TOKEN, else none. Never from argv: every user of
+    the machine reads a command line in `ps` (the CLI refuses --token)."""
     if token_file is not None:
         try:
             text = Path(token_file).read_text().strip()
@@ -85,12 +91,7 @@ def resolve_token(token: str | None, token_file: Path | None, environ: Mapping[s
         if not text:
             raise ValueError(f"--token-file {token_file} is empty; write the token there")
         return text
-    if environ.get(TOKEN_ENV):
-        return environ[TOKEN_ENV]
-    if token:
-        log.warning("--token on the command line is visible to other users in `ps`; prefer --token-file or %s",
-                    TOKEN_ENV)
-    return token or None
+    return environ.get(TOKEN_ENV) or None
 
 
 class RewardServer:
@@ -208,7 +209,37 @@ class RewardServer:
         elif b"\r\n\r\n" in head:
             sel.unregister(conn)
             del pending[conn]
-            self._dispatch(conn, bytes(head), addr)
+            if not self._answer_health(conn, bytes(head)):
+                self._dispatch(conn, bytes(head), addr)
+
+    def _answer_health(self, conn: socket.socket, head: bytes) -> bool:
+        """Answers GET /health here, on the selector thread, without a handler slot: clients holding every slot
+        (stalled bodies, slow scoring) must not make a live server look dead. The reply is a few hundred bytes, so
+        one send into a fresh socket's empty buffer never blocks. False: not a health check."""
+        request_line, *header_lines = head.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+        parts = request_line.split()
+        if len(parts) != 3 or parts[0] != b"GET" or parts[1].rstrip(b"/") != b"/health":
+            return False
+        given = b""
+        for line in header_lines:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"authorization":
+                given = value.strip()
+        if self._token_ok(given):
+            reply = _response(200, {"status": "ok", "scorer": self.spec})
+        else:
+            reply = _response(401, _UNAUTHORIZED, {"WWW-Authenticate": "Bearer"})
+        try:
+            conn.send(reply)
+        except OSError:  # the client already left
+            pass
+        conn.close()
+        return True
+
+    def _token_ok(self, authorization: bytes) -> bool:
+        """Whether an Authorization header value (raw bytes) carries this server's token (any, when none is set)."""
+        token = self.opts.token
+        return not token or hmac.compare_digest(authorization, f"Bearer {token}".encode())
 
     def _dispatch(self, conn: socket.socket, head: bytes, addr: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -236,6 +267,14 @@ def _drop(sel: selectors.BaseSelector, pending: dict, conn: socket.socket) -> No
     sel.unregister(conn)
     del pending[conn]
     conn.close()
+
+
+def _response(status: int, body: dict, headers: Mapping[str, str] | None = None) -> bytes:
+    """A whole HTTP/1.1 answer with a JSON body that closes its connection (the selector thread sends it raw)."""
+    data = json.dumps(body).encode()
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json",
+             f"Content-Length: {len(data)}", "Connection: close", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + data
 
 
 class _Prefixed(io.RawIOBase):
@@ -278,24 +317,90 @@ def serve(opts: ServeOptions) -> None:
         server.close()
 
 
+def parse_body(raw: bytes) -> Any:
+    """The request body's JSON; ValueError (a 400) when it is not JSON or nests deeper than MAX_JSON_DEPTH."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # the C parser recurses per level: ~1000 levels exhaust it (and killed the handler)
+        body, too_deep = None, True
+    else:
+        too_deep = _deeper_than(body, MAX_JSON_DEPTH)
+    if too_deep:  # one limit for both: bodies between MAX_JSON_DEPTH and the parser's limit would be accepted
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels; no field needs that: send flatter "
+                         f"ground_truths and extra_infos")
+    return body
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether containers nest more than `limit` deep in `value` (walked with a stack: no recursion to exhaust)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+_RESPONSES_FIX = 'send the texts to score, e.g. "responses": ["The answer is 4.", ...]'
+# Per field: (what one entry must be, whether an entry is that, how to fix it). ground_truths entries may be any
+# JSON (the scorer reads them). Each check matches what the runner, router or reward model does with an entry.
+_ENTRY_RULES: dict[str, tuple[str, Callable[[Any], bool], str]] = {
+    "responses": ("a string (the response text)", lambda v: isinstance(v, str), _RESPONSES_FIX),
+    "ground_truths": ("", lambda v: True,
+                      'send one per response, e.g. "ground_truths": ["4", ...], or leave the field out'),
+    "data_sources": ("a string (the data source name)", lambda v: isinstance(v, str),
+                     'send one name per response, e.g. "data_sources": ["math", ...], or leave the field out'),
+    "extra_infos": ("a JSON object or null", lambda v: v is None or isinstance(v, dict),
+                    'send one object per response, e.g. "extra_infos": [{"split": "train"}, ...], or leave the '
+                    'field out'),
+    "prompts": ("a string or a list of chat messages (JSON objects)",
+                lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(m, dict) for m in v)),
+                'send one per response, e.g. "prompts": ["What is 2+2?", ...] or [[{"role": "user", "content": '
+                '"What is 2+2?"}], ...]'),
+}
+_DEFAULTS: dict[str, Any] = {"ground_truths": None, "data_sources": "remote", "extra_infos": None}
+
+
 def validate_batch(batch: Any) -> dict[str, list]:
-    """The request body as four equal-length lists (extra_infos and data_sources may be omitted)."""
-    if not isinstance(batch, dict) or not isinstance(batch.get("responses"), list):
-        raise ValueError("body must be a JSON object with a list 'responses' (and ground_truths, data_sources, "
-                         "extra_infos of the same length)")
-    n = len(batch["responses"])
-    out = {"responses": batch["responses"], "ground_truths": batch.get("ground_truths", [None] * n),
-           "data_sources": batch.get("data_sources", ["remote"] * n),
-           "extra_infos": batch.get("extra_infos", [{}] * n)}
-    lengths = {k: len(v) if isinstance(v, list) else None for k, v in out.items()}
-    if set(lengths.values()) != {n}:
-        raise ValueError(f"fields must be lists of equal length; got {lengths}")
+    """The request body as four equal-length lists (ground_truths, data_sources, extra_infos may be omitted or
+    null), plus `prompts` when sent. ValueError (a 400) names the field, what it must be and how to fix it:
+    a wrongly typed entry used to reach the router or a scorer and come back as a 500 or a silent error score."""
+    if not isinstance(batch, dict):
+        raise ValueError(f'the body must be a JSON object, got {_described(batch)}; send e.g. '
+                         f'{{"responses": ["The answer is 4."], "ground_truths": ["4"]}}')
+    if "responses" not in batch:
+        raise ValueError(f'the body has no "responses"; {_RESPONSES_FIX}')
+    n = len(batch["responses"]) if isinstance(batch["responses"], list) else 0  # else the loop's first check fails
+    out: dict[str, list] = {}
+    for field in (*FIELDS, "prompts"):  # FIELDS starts with responses: n is checked before it is used
+        value = batch.get(field)
+        if value is None and field in _DEFAULTS:
+            out[field] = [_DEFAULTS[field]] * n
+            continue
+        if value is None and field == "prompts":
+            continue
+        expected, ok, fix = _ENTRY_RULES[field]
+        if not isinstance(value, list):
+            raise ValueError(f"{field} must be an array with one entry per response, got {_described(value)}; {fix}")
+        if len(value) != n:
+            raise ValueError(f"{field} has length {len(value)} but responses has length {n}; {fix}")
+        for i, entry in enumerate(value):
+            if not ok(entry):
+                raise ValueError(f"{field}[{i}] must be {expected}, got {_described(entry)}; {fix}")
+        out[field] = value
     out["extra_infos"] = [e or {} for e in out["extra_infos"]]
-    if batch.get("prompts") is not None:
-        if not isinstance(batch["prompts"], list) or len(batch["prompts"]) != n:
-            raise ValueError(f"'prompts' must be a list with one entry per response ({n})")
-        out["prompts"] = batch["prompts"]
     return out
+
+
+def _described(value: Any) -> str:
+    """A JSON value as an error message shows it: its JSON type and (shortened) text, e.g. `an array ["x"]`."""
+    if value is None:
+        return "null"
+    kind = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+    text = json.dumps(value)
+    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -317,12 +422,9 @@ def _handler_for(server: RewardServer) -> type[BaseHTTPRequestHandler]:
             self.rfile = io.BufferedReader(_Prefixed(head, conn))
             self.wfile = conn.makefile("wb", buffering=0)
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming); GET /health never gets here: _answer_health
             if self._authorized():
-                if self.path.rstrip("/") == "/health":
-                    self._reply(200, {"status": "ok", "scorer": server.spec})
-                else:
-                    self._reply(404, {"error": f"no route GET {self.path}; use GET /health or POST /score"})
+                self._reply(404, {"error": f"no route GET {self.path}; use GET /health or POST /score"})
 
         def do_POST(self) -> None:  # noqa: N802
             if not self._authorized():
@@ -337,7 +439,7 @@ def _handler_for(server: RewardServer) -> type[BaseHTTPRequestHandler]:
                                                   f"{server.opts.max_body_bytes}; send smaller batches or "
                                                   f"restart it with a larger --max-body-bytes"})
             try:
-                batch = validate_batch(json.loads(self.rfile.read(int(length))))
+                batch = validate_batch(parse_body(self.rfile.read(int(length))))
             except (ValueError, UnicodeDecodeError) as e:
                 return self._reply(400, {"error": f"bad request: {e}"})
             if server.rm is not None and "prompts" not in batch:
@@ -351,14 +453,10 @@ def _handler_for(server: RewardServer) -> type[BaseHTTPRequestHandler]:
             self._reply(200, scored)
 
         def _authorized(self) -> bool:
-            token = server.opts.token
-            if not token:
+            # http.client decodes header values as latin-1: encoding back gives the bytes the client sent.
+            if server._token_ok(self.headers.get("Authorization", "").encode("latin-1")):
                 return True
-            given = self.headers.get("Authorization", "")
-            if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return True
-            self._reply(401, {"error": "missing or wrong bearer token; clients pass the server's token "
-                                       "(rewards.remote_token)"}, {"WWW-Authenticate": "Bearer"})
+            self._reply(401, _UNAUTHORIZED, {"WWW-Authenticate": "Bearer"})
             return False
 
         def _reply(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
