@@ -73,3 +73,15 @@ def test_a_stop_signal_checkpoints_its_step_once(tmp_path, saves, monkeypatch, c
         assert "no checkpoint to continue from (trainer.save_last=false)" in said
     else:
         assert f"trainer.output_dir={tmp_path / 'run'} trainer.resume=auto" in said
+
+
+def test_a_stop_with_no_checkpoint_does_not_suggest_a_resume(tmp_path, monkeypatch, capsys):
+    # trainer.resume=auto would find nothing here and start again at step 0: suggesting it would lose the step.
+    monkeypatch.setattr(run_mod, "StopSignal", _SignalledBeforeTheFirstStep)
+    with pytest.raises(Interrupted):
+        _run(tmp_path, "trainer.total_steps=3", "trainer.save_every=2", "trainer.save_last=false")
+    assert manager.find_resume(tmp_path / "run", "auto") is None
+    said = capsys.readouterr().out
+    assert ("stopped by SIGINT at step 1; last complete checkpoint: none; no checkpoint to continue from "
+            "(trainer.save_last=false); a new run needs a new trainer.output_dir") in said
+    assert "trainer.resume" not in said and "continue with" not in said
