@@ -15,7 +15,7 @@ from fleetrl.data.errors import DataError
 from fleetrl.data.readers import read_rows
 from fleetrl.data.records import PromptRecord
 from fleetrl.data.sampler import MixtureSampler, mixture_probabilities
-from fleetrl.data.schema import normalise_row
+from fleetrl.data.schema import check_input_column, normalise_row
 from fleetrl.data.synthetic import SYNTHETIC_TASKS
 
 SYNTHETIC_PREFIX = "synthetic:"
@@ -82,8 +82,10 @@ def load_dataset(spec: DataSpec, tokenizer: Any, *, weights: Mapping[str, float]
     datasets = {}
     for task, source in task_sources(spec, key).items():
         rows, file = _rows(source)
+        check_input_column(rows, file, input_key)  # a column no row has is the setting's fault, not row 0's
         records = [normalise_row(raw, file=file, row=i, input_key=input_key, label_key=label_key,
-                                 default_data_source=default_data_source or task) for i, raw in enumerate(rows)]
+                                 default_data_source=default_data_source or task, column_in_file=True)
+                   for i, raw in enumerate(rows)]
         datasets[task] = PromptDataset(records, tokenizer, max_prompt_length=max_prompt_length,
                                        apply_chat_template=apply_chat_template)
     return MixtureDataset(datasets, weights)

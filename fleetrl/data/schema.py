@@ -26,10 +26,12 @@ _ErrFn = Callable[[str, str, str], DataError]
 
 
 def normalise_row(raw: dict, *, file: str, row: int, input_key: str = "prompt", label_key: str | None = None,
-                  default_data_source: str | None = None) -> PromptRecord:
-    """Validates and converts one raw row; every problem raises DataError naming file, row and field."""
+                  default_data_source: str | None = None, column_in_file: bool = False) -> PromptRecord:
+    """Validates and converts one raw row; every problem raises DataError naming file, row and field.
+    `column_in_file`: other rows of the file hold `input_key` (check_input_column passed), so a row without it is
+    that row's fault, not data.input_key's."""
     err: _ErrFn = partial(row_error, file, row)
-    messages, text = _prompt(raw, input_key, err)
+    messages, text = _prompt(raw, input_key, err, column_in_file)
     reward_model = _as_dict(raw.get("reward_model"), "reward_model", err)
     return PromptRecord(
         messages=messages,
@@ -91,11 +93,29 @@ def _as_dict(value: Any, field: str, err: _ErrFn) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the fields
-def _prompt(raw: dict, key: str, err: _ErrFn) -> tuple[tuple[dict[str, str], ...] | None, str | None]:
+def check_input_column(rows: list[dict], file: str, input_key: str) -> None:
+    """A prompt column that no row of the file fills is data.input_key's fault (or the file's), not one row's:
+    said once, for the file, before the rows are normalised."""
+    if any(not _is_missing(r.get(input_key)) for r in rows):
+        return
+    if any(input_key in r for r in rows):  # parquet: the column exists, every cell is null
+        raise DataError(f"{file}: the prompt column {input_key!r} is empty in every row; fill it in, or set "
+                        f"data.input_key to the column that holds the prompt")
+    columns = sorted({str(k) for r in rows for k in r})
+    raise DataError(f"{file}: no row has the prompt column {input_key!r} (columns present: {columns}); set "
+                    f"data.input_key to the column that holds the prompt")
+
+
+def _prompt(raw: dict, key: str, err: _ErrFn,
+            column_in_file: bool = False) -> tuple[tuple[dict[str, str], ...] | None, str | None]:
     """(messages, None) for a chat prompt, (None, text) for a plain-text prompt."""
-    if key not in raw:
-        raise err(key, f"column is missing (columns present: {sorted(raw)})",
-                  "set data.input_key to the column that holds the prompt")
+    if _is_missing(raw.get(key)):
+        if key not in raw and not column_in_file:  # a row on its own: the column may be named otherwise
+            raise err(key, f"column is missing (columns present: {sorted(raw)})",
+                      "set data.input_key to the column that holds the prompt")
+        # A jsonl row without the key, or parquet's null cell, in a file whose other rows have the prompt.
+        why = "the other rows of the file have the column" if column_in_file else "its cell is empty"
+        raise err(key, f"this row has no prompt ({why})", "add the prompt to this row or drop the row")
     value = _to_python(raw[key])
     if isinstance(value, str):
         # A chat list may arrive serialised; anything else that is a string is a plain-text prompt

@@ -126,3 +126,32 @@ def test_synthetic_parameters_take_the_declared_types(tokenizer, monkeypatch):
     with pytest.raises(DataError, match=r"task 'probe' rejected parameters \{\}: .*missing .* 'n'; "
                                         r"its parameters are n, label="):
         load_dataset("synthetic:probe", tokenizer, max_prompt_length=32)
+
+
+@pytest.mark.parametrize("write", ["jsonl", "parquet"])
+def test_one_row_without_the_prompt_is_that_rows_fault(tmp_path, tokenizer, write, request):
+    # Rows 0 and 2 have `prompt`: data.input_key is right, row 1 is what to fix (parquet gives its cell as None).
+    data = [{"prompt": "what is 1 ?", "answer": "1"}, {"answer": "2"}, {"prompt": "3 ?", "answer": "3"}]
+    path = request.getfixturevalue(write)(tmp_path / f"gaps.{write}", data)
+    cfg = load_config(QUICKSTART, [f"data.train={path}"])
+    with pytest.raises(DataError) as info:
+        _load(cfg, tokenizer)
+    assert str(info.value) == (f"{path}: row 1 (0-based), field 'prompt': this row has no prompt (the other rows of "
+                               f"the file have the column). add the prompt to this row or drop the row")
+
+
+def test_a_prompt_column_missing_from_the_whole_file_names_data_input_key(tmp_path, tokenizer, jsonl):
+    path = jsonl(tmp_path / "q.jsonl", [{"question": "what is 1 ?", "answer": "1"}, {"question": "2 ?", "answer": "2"}])
+    cfg = load_config(QUICKSTART, [f"data.train={path}"])
+    with pytest.raises(DataError) as info:
+        _load(cfg, tokenizer)
+    assert str(info.value) == (f"{path}: no row has the prompt column 'prompt' (columns present: ['answer', "
+                               f"'question']); set data.input_key to the column that holds the prompt")
+
+
+def test_a_prompt_column_null_in_every_row_is_the_files_fault(tmp_path, tokenizer, parquet):
+    path = parquet(tmp_path / "empty.parquet", [{"prompt": None, "answer": "1"}, {"prompt": None, "answer": "2"}])
+    with pytest.raises(DataError) as info:
+        _load(load_config(QUICKSTART, [f"data.train={path}"]), tokenizer)
+    assert str(info.value) == (f"{path}: the prompt column 'prompt' is empty in every row; fill it in, or set "
+                               f"data.input_key to the column that holds the prompt")
