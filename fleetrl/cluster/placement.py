@@ -81,7 +81,7 @@ def check_feasible(pools: list[PoolPlan], nodes: list[NodeResources]) -> None:
                 _take(need, free[n.node_id])
                 placed += 1
         if placed < pool.nodes:
-            problems.append(_shortfall(pool, need, placed, nodes))
+            problems.append(_shortfall(pool, need, placed, nodes, pools))
     if problems:
         raise PlacementError("placement does not fit the cluster:\n  " + "\n  ".join(problems)
                              + "\n" + describe_nodes(nodes))
@@ -96,17 +96,52 @@ def _take(need: dict[str, float], free: dict[str, float]) -> None:
         free[k] = free.get(k, 0.0) - v
 
 
-def _shortfall(pool: PoolPlan, need: dict[str, float], placed: int, nodes: list[NodeResources]) -> str:
-    totals = {k: sum(n.total.get(k, 0.0) for n in nodes) for k in need}
-    asked = {k: v * pool.nodes for k, v in need.items()}
-    short = [f"{k}: needs {asked[k]:g}, cluster has {totals[k]:g}" for k in need if asked[k] > totals[k] + _EPS]
-    what = "; ".join(short) if short else (
-        f"no {pool.nodes - placed} more node(s) can each hold {_fmt(need)} (the cluster has enough in total, "
-        f"but not in that per-node shape)")
-    fix = (f"lower cluster.pools.{pool.name}.nodes / workers_per_node / gpus_per_worker / cpus_per_worker, or add "
-           f"nodes with `fleetrl cluster up --address HEAD:PORT`")
-    return (f"pool '{pool.name}' (roles {', '.join(pool.roles)}) asks for {pool.nodes} node(s) × "
-            f"{pool.bundles_per_node} worker(s) of {_fmt(pool.bundle)}; placed on {placed}. {what}. Fix: {fix}")
+_SIZES = "nodes / workers_per_node / gpus_per_worker / cpus_per_worker"
+_ADD_NODES = "add nodes with `fleetrl cluster up --address HEAD:PORT`"
+
+
+def _shortfall(pool: PoolPlan, need: dict[str, float], placed: int, nodes: list[NodeResources],
+               pools: list[PoolPlan]) -> str:
+    """Why `pool` found no room, most basic reason first: it alone asks more than the cluster has; all pools together
+    do (a pool that fits alone may not fit beside the others); other runs hold what the plan needs; only then is the
+    per-node shape to blame (the resources exist and are free, but no node holds a node-bundle)."""
+    keys = [k for k in need if k not in _IGNORED]
+    totals = {k: sum(n.total.get(k, 0.0) for n in nodes) for k in keys}
+    free = {k: sum(n.available.get(k, 0.0) for n in nodes) for k in keys}
+    asked = {k: need[k] * pool.nodes for k in keys}
+    shares = {k: {p.name: node_bundle(p).get(k, 0.0) * p.nodes for p in pools} for k in keys}
+    together = {k: sum(shares[k].values()) for k in keys}
+
+    def needs(k: str) -> str:
+        users = {name: v for name, v in shares[k].items() if v > 0}
+        if len(users) < 2:
+            return f"needs {together[k]:g}"
+        return f"the pools together need {together[k]:g} ({', '.join(f'{n} {v:g}' for n, v in users.items())})"
+
+    def lower(k: str | None) -> str:
+        names = [pool.name] if k is None else [n for n, v in shares[k].items() if v > 0]
+        if len(names) == 1:
+            return f"lower cluster.pools.{names[0]}.{_SIZES}"
+        listed = ", ".join(f"cluster.pools.{n}" for n in names[:-1]) + f" and cluster.pools.{names[-1]}"
+        return f"lower {listed} ({_SIZES})"
+
+    head = (f"pool '{pool.name}' (roles {', '.join(pool.roles)}) asks for {pool.nodes} node(s) × "
+            f"{pool.bundles_per_node} worker(s) of {_fmt(pool.bundle)}; placed on {placed}.")
+    alone = [k for k in keys if asked[k] > totals[k] + _EPS]
+    if alone:
+        what = "; ".join(f"{k}: needs {asked[k]:g}, cluster has {totals[k]:g}" for k in alone)
+        return f"{head} {what}. Fix: {lower(None)}, or {_ADD_NODES}"
+    short = [k for k in keys if together[k] > totals[k] + _EPS]
+    if short:
+        what = "; ".join(f"{k}: {needs(k)}, cluster has {totals[k]:g}" for k in short)
+        return f"{head} {what}. Fix: {lower(short[0])}, or {_ADD_NODES}"
+    held = [k for k in keys if together[k] > free[k] + _EPS]
+    if held:
+        what = "; ".join(f"{k}: {needs(k)}, cluster has {totals[k]:g} but only {free[k]:g} free" for k in held)
+        return (f"{head} {what} (other runs or Ray jobs hold the rest). Fix: stop what holds them (`ray status` "
+                f"shows the demands) or wait for them to finish, {lower(held[0])}, or {_ADD_NODES}")
+    return (f"{head} no {pool.nodes - placed} more node(s) can each hold {_fmt(need)} (the cluster has enough in "
+            f"total and free, but not in that per-node shape). Fix: {lower(None)}, or {_ADD_NODES}")
 
 
 def describe_nodes(nodes: list[NodeResources]) -> str:

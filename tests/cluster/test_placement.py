@@ -55,3 +55,34 @@ def test_real_cluster_fails_fast(ray_local, overrides, needle):
         build_groups(plan)
     assert time.time() - t0 < 30
     assert "fleetrl cluster up" in str(err.value) and "cluster nodes" in str(err.value)
+
+
+TWO_CPUS = [NodeResources("n1", "10.0.0.1", {"CPU": 2.0}, {"CPU": 2.0})]
+
+
+def _problem(pools: list[PoolPlan], nodes: list[NodeResources]) -> str:
+    """The one problem line of check_feasible's error (its second line)."""
+    with pytest.raises(PlacementError) as err:
+        check_feasible(pools, nodes)
+    return str(err.value).splitlines()[1].strip()
+
+
+def test_pools_that_together_ask_more_than_the_cluster_has_say_so():
+    # 1.5 + 1 = 2.5 CPUs of a 2-CPU cluster: pool 'b' fits alone, but not beside 'a'; no node shape would help.
+    problem = _problem([_pool("a", CPU=1.5), _pool("b", CPU=1.0)], TWO_CPUS)
+    assert problem == ("pool 'b' (roles actor) asks for 1 node(s) × 1 worker(s) of {CPU: 1}; placed on 0. CPU: the "
+                       "pools together need 2.5 (a 1.5, b 1), cluster has 2. Fix: lower cluster.pools.a and "
+                       "cluster.pools.b (nodes / workers_per_node / gpus_per_worker / cpus_per_worker), or add nodes "
+                       "with `fleetrl cluster up --address HEAD:PORT`")
+    assert "per-node shape" not in problem
+
+
+def test_resources_held_by_others_are_not_called_a_per_node_shape():
+    # The cluster has 2 CPUs, but something else holds 1 of them: 1.5 fits the total, not what is free.
+    held = [NodeResources("n1", "10.0.0.1", {"CPU": 2.0}, {"CPU": 1.0})]
+    problem = _problem([_pool(CPU=1.5)], held)
+    assert problem == ("pool 'main' (roles actor) asks for 1 node(s) × 1 worker(s) of {CPU: 1.5}; placed on 0. CPU: "
+                       "needs 1.5, cluster has 2 but only 1 free (other runs or Ray jobs hold the rest). Fix: stop "
+                       "what holds them (`ray status` shows the demands) or wait for them to finish, lower "
+                       "cluster.pools.main.nodes / workers_per_node / gpus_per_worker / cpus_per_worker, or add nodes "
+                       "with `fleetrl cluster up --address HEAD:PORT`")
