@@ -73,6 +73,11 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist()
 
 
+def val_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = read_rows(args.data / "val.parquet")
+    return rows[:args.val_rows] if args.val_rows else rows
+
+
 # ------------------------------------------------------------------------------------------------ evaluation
 def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """The 95% Wilson score interval of a binomial proportion (Wilson 1927)."""
@@ -124,6 +129,7 @@ def fleetrl_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return [
         f"model.path={MODEL}", "model.dtype=float32", f"data.train={args.data / 'train.parquet'}",
         f"data.val={args.data / 'val.parquet'}", f"data.prompts_per_step={HP['prompts_per_step']}",
+        f"data.val_max_prompts={args.val_rows or 'null'}", "data.shuffle=true",
         f"data.max_prompt_length={HP['max_prompt_length']}",
         "rollout.engine=fast", "rollout.compute_dtype=auto", f"rollout.n={HP['n']}",
         f"rollout.temperature={HP['temperature']}", f"rollout.max_new_tokens={HP['max_new_tokens']}",
@@ -189,7 +195,7 @@ def run_fleetrl(args: argparse.Namespace, result: dict[str, Any]) -> None:
     result["peak_gpu_gib"] = max((m for m in mem if m is not None), default=None)
     model, _ = load_actor_model(run_dir / "checkpoints" / f"step_{args.steps}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    result["eval_after"] = evaluate(model.to(device), load_tokenizer(MODEL), read_rows(args.data / "val.parquet"),
+    result["eval_after"] = evaluate(model.to(device), load_tokenizer(MODEL), val_rows(args),
                                     HP["max_new_tokens"])
 
 
@@ -199,9 +205,14 @@ def run_trl(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from fleetrl.checkpoint.export import forget_dequantised_gguf
+
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
     model, tokenizer = load_base("cuda" if cuda else "cpu")
+    # transformers keeps the GGUF quantizer on the dequantised (plain float) model, and its Trainer then refuses
+    # to fine-tune "a purely quantized model"; fleetrl trains the same float weights
+    forget_dequantised_gguf(model)
     rows = read_rows(args.data / "train.parquet")
     dataset = Dataset.from_list([{"prompt": list(r["prompt"]), "row": json.dumps(r, default=str)} for r in rows])
 
@@ -251,7 +262,7 @@ def run_trl(args: argparse.Namespace, result: dict[str, Any]) -> None:
         "loss_type", "scale_rewards", "beta", "epsilon", "bf16", "optim", "use_vllm")}
     if cuda:
         result["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    result["eval_after"] = evaluate(trainer.model, tokenizer, read_rows(args.data / "val.parquet"),
+    result["eval_after"] = evaluate(trainer.model, tokenizer, val_rows(args),
                                     HP["max_new_tokens"])
 
 
@@ -352,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         result["versions"]["trl"] = trl.__version__
         result["generation"] = "TRL's default: transformers generate (no vLLM on the GPU machine)"
     model, tokenizer = load_base("cuda" if torch.cuda.is_available() else "cpu")
-    result["eval_before"] = evaluate(model, tokenizer, read_rows(args.data / "val.parquet"), HP["max_new_tokens"])
+    result["eval_before"] = evaluate(model, tokenizer, val_rows(args), HP["max_new_tokens"])
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     (run_trl if args.framework == "trl" else run_fleetrl)(args, result)
@@ -391,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--budget-s", type=float, default=None,
                    help="trl: stop after the optimiser step that passes this many wall-clock seconds")
     r.add_argument("--data", type=Path, default=Path("data/race"))
+    r.add_argument("--val-rows", type=int, default=None, help="the first N held-out rows only (a CPU smoke run)")
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")) / "race")
     p = sub.add_parser("report", help="the race table (markdown) and plot from a results folder")
     p.add_argument("results", type=Path)

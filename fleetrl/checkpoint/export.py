@@ -147,17 +147,18 @@ def write_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     out_dir.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
         model = model.to(DTYPES[dtype])
-    _forget_dequantised_gguf(model)
+    forget_dequantised_gguf(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
 
-def _forget_dequantised_gguf(model: PreTrainedModel) -> None:
+def forget_dequantised_gguf(model: PreTrainedModel) -> None:
     """Drops the GGUF quantizer transformers (5.x) keeps on a model it dequantised at load (`smollm2-135m`,
     `gguf:FILE`): its weights are plain float tensors, yet `save_pretrained` refuses it ("The model is quantized
     with gguf and is not serializable"), and a kept `quantization_config` would make config.json ask for GGUF
-    loading. A model with packed (integer) GGUF weights is left for save_pretrained to refuse."""
+    loading; and transformers' Trainer refuses to fine-tune a model still flagged `is_quantized` (TRL's GRPOTrainer in
+    bench/race_trl.py). A model with packed (integer) GGUF weights is left for save_pretrained to refuse."""
     quantizer = getattr(model, "hf_quantizer", None)
     method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
     if str(getattr(method, "value", method)) != "gguf":
@@ -165,6 +166,8 @@ def _forget_dequantised_gguf(model: PreTrainedModel) -> None:
     if not all(t.is_floating_point() for t in model.state_dict().values()):
         return
     model.hf_quantizer = None
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False  # an attribute set at load; the Trainer refuses to fine-tune a model flagged so
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
 
