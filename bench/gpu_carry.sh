@@ -41,7 +41,7 @@ case "$cmd" in
         "one: pack again and carry every chunk" >&2; exit 2; }
       rm -rf /tmp/carry/files && mkdir -p /tmp/carry/files
       for i in $(seq 1 "$n"); do cat "/tmp/carry/chunk.$i"; done | tar -xf - -C /tmp/carry/files
-      wheels=$(find /tmp/carry/files -name '*.whl' | sort)
+      wheels=$(find /tmp/carry/files -type f -name '*.whl' | sort)
       if [ -n "$wheels" ]; then
         # shellcheck disable=SC2086  # one argument per wheel
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $wheels

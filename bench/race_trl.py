@@ -175,8 +175,8 @@ def run_fleetrl(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from fleetrl.models.hf import load_tokenizer
     from fleetrl.trainer.run import train
 
-    run_dir = args.out / f"fleetrl_s{args.seed}_run"
-    overrides = fleetrl_overrides(args, run_dir)
+    run_dir = (args.runs or args.out) / f"fleetrl_s{args.seed}{args.tag}_run"
+    overrides = fleetrl_overrides(args, run_dir) + list(args.set)
     result["fleetrl_overrides"] = overrides
     t0 = time.perf_counter()
     stamper = JsonlStamper(run_dir / "metrics.jsonl", t0)
@@ -191,6 +191,7 @@ def run_fleetrl(args: argparse.Namespace, result: dict[str, Any]) -> None:
                        for r in steps]
     result["val_curve"] = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "acc": r["val/reward_mean"]}
                            for r in stamper.records if "val/reward_mean" in r]
+    result["records"] = stamper.records  # every metrics.jsonl record, stamped: the run's whole story in one file
     mem = [r.get("train/memory/gpu_peak_allocated_gib") for r in steps]
     result["peak_gpu_gib"] = max((m for m in mem if m is not None), default=None)
     model, _ = load_actor_model(run_dir / "checkpoints" / f"step_{args.steps}")
@@ -249,12 +250,19 @@ def run_trl(args: argparse.Namespace, result: dict[str, Any]) -> None:
             if logs and "reward" in logs:
                 now = time.perf_counter()
                 self.steps.append({"step": state.global_step, "elapsed_s": now - t0, "reward": logs["reward"],
-                                   "step_s": now - self._begin, "response_len": logs.get("completions/mean_length")})
+                                   "step_s": now - self._begin, "response_len": logs.get("completions/mean_length"),
+                                   "grad_norm": logs.get("grad_norm")})
 
     clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
-    trainer.train()
+    try:
+        trainer.train()
+    except Exception as err:  # noqa: BLE001 - a run that dies mid-way is a result too: keep its curve, say why
+        result["error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        bad = next((s for s in clock.steps if not math.isfinite(float(s["grad_norm"] or 0))), None)
+        if bad is not None:
+            result["error"] += f" (first non-finite grad_norm at step {bad['step']})"
     result["wall_s"] = time.perf_counter() - t0
     result["steps"] = clock.steps
     result["grpo_config"] = {k: str(getattr(config, k)) for k in (
@@ -262,43 +270,59 @@ def run_trl(args: argparse.Namespace, result: dict[str, Any]) -> None:
         "loss_type", "scale_rewards", "beta", "epsilon", "bf16", "optim", "use_vllm")}
     if cuda:
         result["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    result["eval_after"] = evaluate(trainer.model, tokenizer, val_rows(args),
-                                    HP["max_new_tokens"])
+    if "error" not in result:  # after a device-side assert the CUDA context is gone
+        result["eval_after"] = evaluate(trainer.model, tokenizer, val_rows(args), HP["max_new_tokens"])
 
 
 # ------------------------------------------------------------------------------------------------------ report
+def label(r: dict[str, Any]) -> str:
+    return f"{r['framework']}{r.get('tag') or ''}"
+
+
+def trl_target(results: list[dict[str, Any]]) -> float | None:
+    """TRL's final held-out accuracy: the mean over its runs that finished."""
+    finals = [r["eval_after"]["acc"] for r in results if r["framework"] == "trl" and r.get("eval_after")]
+    return statistics.mean(finals) if finals else None
+
+
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per run: s/step, accuracy before/after with intervals, peak memory, and fleetrl's time to reach the
-    mean final accuracy of the TRL runs (its first in-run validation at or above it)."""
-    trl_final = [r["eval_after"]["acc"] for r in results if r["framework"] == "trl"]
-    target = statistics.mean(trl_final) if trl_final else None
+    """One row per run: s/step, when its first step ended, accuracy before/after with intervals, peak memory, and
+    for fleetrl the time to reach TRL's final accuracy (its first in-run validation at or above it)."""
+    target = trl_target(results)
     rows = []
-    for r in sorted(results, key=lambda r: (r["framework"], r["seed"])):
+    for r in sorted(results, key=lambda r: (label(r), r["seed"])):
         step_s = [s["step_s"] for s in r["steps"][1:]]  # the first step holds compile / warm-up
         reach = None
         if r["framework"] == "fleetrl" and target is not None:
             reach = next((v["elapsed_s"] for v in r.get("val_curve", []) if v["acc"] >= target), None)
-        rows.append({"framework": r["framework"], "seed": r["seed"], "steps": len(r["steps"]),
+        rows.append({"run": label(r), "framework": r["framework"], "seed": r["seed"], "steps": len(r["steps"]),
                      "s_per_step": statistics.median(step_s) if step_s else None, "wall_s": r["wall_s"],
-                     "acc_before": r["eval_before"], "acc_after": r["eval_after"],
+                     "first_step_s": r["steps"][0]["elapsed_s"] if r["steps"] else None,
+                     "acc_before": r["eval_before"], "acc_after": r.get("eval_after"), "error": r.get("error"),
                      "reach_trl_final_s": reach, "peak_gpu_gib": r.get("peak_gpu_gib")})
     return rows
 
 
 def markdown(rows: list[dict[str, Any]], target: float | None) -> str:
-    def acc(e: dict[str, Any]) -> str:
+    def acc(e: dict[str, Any] | None) -> str:
+        if not e:
+            return "-"
         return f"{e['correct']}/{e['n']} = {e['acc']:.3f} [{e['wilson95'][0]:.3f}, {e['wilson95'][1]:.3f}]"
 
-    head = ("| framework | seed | steps | s/step (median) | run wall-clock (s) | held-out acc before | "
-            "held-out acc after | time to TRL's final acc (s) | peak GPU GiB |\n|---|---|---|---|---|---|---|---|---|")
-    lines = [head]
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = ["| run | seed | steps | s/step (median) | first step done at (s) | wall-clock (s) | held-out acc before "
+             "| held-out acc after [95% Wilson] | time to TRL's final acc (s) | peak GPU GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        reach = "-" if r["framework"] == "trl" else (f"{r['reach_trl_final_s']:.0f}" if r["reach_trl_final_s"]
-                                                    is not None else "not reached")
-        lines.append(f"| {r['framework']} | {r['seed']} | {r['steps']} | {r['s_per_step']:.3f} | {r['wall_s']:.0f} | "
-                     f"{acc(r['acc_before'])} | {acc(r['acc_after'])} | {reach} | {r['peak_gpu_gib']} |")
+        reach = "-" if r["framework"] == "trl" else num(r["reach_trl_final_s"], ".0f").replace("-", "not reached")
+        after = acc(r["acc_after"]) if not r["error"] else f"failed: {r['error']}"
+        lines.append(f"| {r['run']} | {r['seed']} | {r['steps']} | {num(r['s_per_step'], '.3f')} | "
+                     f"{num(r['first_step_s'], '.1f')} | {r['wall_s']:.0f} | {acc(r['acc_before'])} | {after} | "
+                     f"{reach} | {num(r['peak_gpu_gib'], '.2f')} |")
     if target is not None:
-        lines.append(f"\nTRL's final held-out accuracy (mean of its seeds): {target:.3f}")
+        lines.append(f"\nTRL's final held-out accuracy (mean of its finished seeds): {target:.3f}")
     return "\n".join(lines)
 
 
@@ -309,24 +333,32 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    colours = {"fleetrl": "tab:blue", "trl": "tab:orange"}
-    for r in sorted(results, key=lambda r: (r["framework"], r["seed"])):
-        c, style = colours[r["framework"]], "-" if r["seed"] == 0 else "--"
-        label = f"{r['framework']} seed {r['seed']}"
+    palette = iter(["tab:blue", "tab:green", "tab:purple", "tab:red"])
+    colours: dict[str, str] = {}
+    for r in sorted(results, key=lambda r: (label(r), r["seed"])):
+        name = label(r)
+        c = "tab:orange" if r["framework"] == "trl" else colours.setdefault(name, colours.get(name) or next(palette))
+        style = "-" if r["seed"] == min(x["seed"] for x in results if label(x) == name) else "--"
+        tag = f"{name} seed {r['seed']}" + (" (diverged)" if r.get("error") else "")
         xs, ys = [s["elapsed_s"] for s in r["steps"]], smooth([s["reward"] for s in r["steps"]])
-        axes[0].plot(xs, ys, style, color=c, label=label)
-        axes[1].plot([s["step"] for s in r["steps"]], ys, style, color=c, label=label)
+        axes[0].plot(xs, ys, style, color=c, label=tag)
+        axes[1].plot([s["step"] for s in r["steps"]], ys, style, color=c, label=tag)
         if r.get("val_curve"):
             axes[2].plot([v["elapsed_s"] for v in r["val_curve"]], [v["acc"] for v in r["val_curve"]], style,
-                         color=c, marker="o", ms=3, label=f"{label} (in-run validation)")
-        end = r["eval_after"]
-        axes[2].errorbar([r["wall_s"]], [end["acc"]], yerr=[[end["acc"] - end["wilson95"][0]],
-                                                            [end["wilson95"][1] - end["acc"]]],
-                         fmt="s", color=c, capsize=4, label=f"{label}: final (shared evaluator, 95% CI)")
+                         color=c, marker="o", ms=3, label=f"{tag} (in-run validation)")
+        end = r.get("eval_after")
+        if end:
+            axes[2].errorbar([r["wall_s"]], [end["acc"]], yerr=[[end["acc"] - end["wilson95"][0]],
+                                                                [end["wilson95"][1] - end["acc"]]],
+                             fmt="s", color=c, capsize=4, label=f"{tag}: final (shared evaluator, 95% CI)")
+    target = trl_target(results)
+    if target is not None:
+        axes[2].axhline(target, color="tab:orange", lw=0.8, ls=":", label="TRL's final accuracy (mean)")
     axes[0].set(xlabel="wall-clock seconds (from model load)", ylabel="train reward (mean of 64, smoothed)",
                 title="reward vs wall-clock")
     axes[1].set(xlabel="optimiser step", ylabel="train reward (smoothed)", title="reward vs step")
-    axes[2].set(xlabel="wall-clock seconds", ylabel="greedy held-out accuracy", title="held-out accuracy")
+    axes[2].set(xlabel="wall-clock seconds", ylabel="greedy held-out accuracy (200 prompts)",
+                title="held-out accuracy")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -353,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"framework": args.framework, "seed": args.seed, "steps_asked": args.steps,
-                              "budget_s": args.budget_s,
+                              "budget_s": args.budget_s, "tag": args.tag, "extra_overrides": list(args.set),
                               "hp": HP, "model": MODEL, **device_info(),
                               "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
@@ -367,12 +399,13 @@ def run(args: argparse.Namespace) -> int:
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     (run_trl if args.framework == "trl" else run_fleetrl)(args, result)
-    out = args.out / f"{args.framework}_s{args.seed}.json"
+    out = args.out / f"{args.framework}_s{args.seed}{args.tag}.json"
     out.write_text(json.dumps(result, indent=1, default=str))
-    e0, e1 = result["eval_before"], result["eval_after"]
+    e0, e1 = result["eval_before"], result.get("eval_after")
+    after = f"{e1['correct']}/{e1['n']}" if e1 else f"none ({result.get('error')})"
     print(f"{args.framework} seed {args.seed}: {len(result['steps'])} steps in {result['wall_s']:.0f} s; held-out "
-          f"{e0['correct']}/{e0['n']} -> {e1['correct']}/{e1['n']}; wrote {out}", flush=True)
-    return 0
+          f"{e0['correct']}/{e0['n']} -> {after}; wrote {out}", flush=True)
+    return 1 if "error" in result else 0
 
 
 def report(args: argparse.Namespace) -> int:
@@ -381,9 +414,7 @@ def report(args: argparse.Namespace) -> int:
         print(f"error: {args.results} holds no race results (*_s<seed>.json); run `race_trl.py run ...` first",
               file=sys.stderr)
         return 2
-    rows = summarize(results)
-    trl_final = [r["eval_after"]["acc"] for r in results if r["framework"] == "trl"]
-    print(markdown(rows, statistics.mean(trl_final) if trl_final else None))
+    print(markdown(summarize(results), trl_target(results)))
     if args.plot:
         plot(results, args.plot)
     return 0
@@ -403,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="trl: stop after the optimiser step that passes this many wall-clock seconds")
     r.add_argument("--data", type=Path, default=Path("data/race"))
     r.add_argument("--val-rows", type=int, default=None, help="the first N held-out rows only (a CPU smoke run)")
+    r.add_argument("--runs", type=Path, default=None, help="fleetrl's run directory goes here (default: --out)")
+    r.add_argument("--tag", default="", help="suffix of the result file: a variant of a side, e.g. _nocompile")
+    r.add_argument("--set", nargs="*", default=[], help="fleetrl: extra config overrides of a variant")
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")) / "race")
     p = sub.add_parser("report", help="the race table (markdown) and plot from a results folder")
     p.add_argument("results", type=Path)

@@ -18,8 +18,6 @@ from fleetrl.data.make import make_data
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 EXAMPLE = "examples/grpo_smollm2_lora.yaml"
-ARITH = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "allow_parentheses": False, "allow_negation": False,
-         "operators": ["+", "-"]}
 
 
 def test_smollm2_lora_example_trains_two_steps_on_a_gpu_in_mixed_precision(tmp_path):
@@ -31,7 +29,12 @@ def test_smollm2_lora_example_trains_two_steps_on_a_gpu_in_mixed_precision(tmp_p
     from fleetrl.trainer.run import train
 
     data, out = tmp_path / "data", tmp_path / "run"
-    make_data("basic_arithmetic", data, n_train=16, n_val=8, seed=0, options=ARITH)
+    # one-digit sums as a GSM8K-format file: `data make` reads it without reasoning-gym, which the GPU machine lacks
+    sums = tmp_path / "sums.jsonl"
+    sums.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### "
+                                                                                      f"{a + b}"}) + "\n"
+                            for a, b in [(a, b) for a in range(1, 10) for b in range(1, 4)][:24]))
+    make_data(f"gsm8k:{sums}", data, n_train=16, n_val=8, seed=0)
     overrides = [f"data.train={data / 'train.parquet'}", f"data.val={data / 'val.parquet'}",
                  "cluster.backend=local", "cluster.pools.main.gpus_per_worker=1", "data.prompts_per_step=4",
                  "trainer.total_steps=2", "trainer.val_every=0", "trainer.val_before_train=false",
