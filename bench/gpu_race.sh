@@ -49,6 +49,8 @@ case "$cmd" in
     wait
     grep -E "SKIPPED|FAILED|ERROR" "$OUT/gpu_tests.log" | head -20
     python3 bench/race_trl.py report "$OUT/race" --plot "$OUT/race_trl.png" | tee "$OUT/race_table.md"
+    # one archive of the results and logs: the device returns a handful of files per call, not dozens
+    (cd "$OUT" && tar -czf race.tgz race race_*.log && rm -rf race race_*.log)
     ;;
   *)
     echo "error: usage: bash bench/gpu_race.sh prepare | run [STEPS] [TRL_BUDGET_S]" >&2; exit 2 ;;

@@ -206,7 +206,7 @@ def run_trl(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from fleetrl.checkpoint.export import forget_dequantised_gguf
+    from fleetrl.models.gguf_cache import forget_dequantised_gguf
 
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()

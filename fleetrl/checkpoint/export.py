@@ -26,6 +26,7 @@ from fleetrl.checkpoint.integrity import validate_checkpoint
 from fleetrl.config.load import build
 from fleetrl.config.schema import LoraConfig
 from fleetrl.errors import UserError
+from fleetrl.models.gguf_cache import forget_dequantised_gguf
 from fleetrl.models.hf import DTYPES, load_causal_lm, load_tokenizer
 from fleetrl.models.lora import adapter_keys, apply_lora
 
@@ -151,25 +152,6 @@ def write_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
-
-
-def forget_dequantised_gguf(model: PreTrainedModel) -> None:
-    """Drops the GGUF quantizer transformers (5.x) keeps on a model it dequantised at load (`smollm2-135m`,
-    `gguf:FILE`): its weights are plain float tensors, yet `save_pretrained` refuses it ("The model is quantized
-    with gguf and is not serializable"), and a kept `quantization_config` would make config.json ask for GGUF
-    loading; and transformers' Trainer refuses to fine-tune a model still flagged `is_quantized` (TRL's GRPOTrainer in
-    bench/race_trl.py). A model with packed (integer) GGUF weights is left for save_pretrained to refuse."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if str(getattr(method, "value", method)) != "gguf":
-        return
-    if not all(t.is_floating_point() for t in model.state_dict().values()):
-        return
-    model.hf_quantizer = None
-    if getattr(model, "is_quantized", False):
-        model.is_quantized = False  # an attribute set at load; the Trainer refuses to fine-tune a model flagged so
-    if getattr(model.config, "quantization_config", None) is not None:
-        del model.config.quantization_config
 
 
 def _check_layout(actor_dir: Path, template: dict[str, Tensor]) -> None:

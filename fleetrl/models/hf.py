@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from fleetrl.config.schema import ModelConfig
 from fleetrl.errors import UserError
-from fleetrl.models import shapes, tiny
+from fleetrl.models import gguf_cache, shapes, tiny
 from fleetrl.models.meta_init import mark_built_alike
 from fleetrl.models.sources import MODEL_SOURCES, ModelSourceError, is_model_source, resolve_source
 
@@ -85,8 +85,14 @@ def load_tokenizer(path_or_id: str, *, trust_remote_code: bool = False,
     if is_model_source(path_or_id):
         path_or_id = resolve_source(path_or_id)
     source, kwargs = _resolve(path_or_id, key=key)
+    folder = gguf_cache.cache_folder(Path(source, str(kwargs["gguf_file"])), "tokenizer") \
+        if "gguf_file" in kwargs else None
+    if folder is not None and gguf_cache.cached(folder):
+        source, kwargs = str(folder), {}  # converted from the GGUF before on this machine
     tokenizer = _from_pretrained(AutoTokenizer, "tokenizer", path_or_id, source, key=key,
                                  trust_remote_code=trust_remote_code, **kwargs)
+    if folder is not None and "gguf_file" in kwargs:
+        gguf_cache.store(tokenizer, folder)  # before the pad/padding changes below, which every load applies
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer {path_or_id!r} has neither a pad nor an EOS token; add a pad token to "
@@ -134,10 +140,17 @@ def load_causal_lm(
     if (device is not None and device.type != "cpu" and "gguf_file" not in kwargs
             and importlib.util.find_spec("accelerate") is not None):
         kwargs["device_map"] = {"": str(device)}  # each tensor from the file to the device (GGUF dequantises on the host)
+    gguf_folder = gguf_cache.cache_folder(Path(source, str(kwargs["gguf_file"])), dtype) if "gguf_file" in kwargs \
+        else None
+    if gguf_folder is not None and gguf_cache.cached(gguf_folder):
+        source, kwargs = str(gguf_folder), {}  # dequantised before on this machine: read its safetensors
     model = _from_pretrained(AutoModelForCausalLM, "causal LM", path_or_id, source, key=key,
                              trust_remote_code=trust_remote_code, **{dtype_kw: torch_dtype}, **kwargs)
-    if "gguf_file" in kwargs:
-        release_freed_memory()  # the dequantised numpy copies are garbage now; hand their pages back
+    if gguf_folder is not None:
+        gguf_cache.forget_dequantised_gguf(model)  # float weights now, cached or not: the same model either way
+        if "gguf_file" in kwargs:
+            gguf_cache.store(model, gguf_folder)
+            release_freed_memory()  # the dequantised numpy copies are garbage now; hand their pages back
     return mark_built_alike((model if device is None else model.to(device)).eval())
 
 

@@ -80,7 +80,8 @@ needs_gguf = pytest.mark.skipif(
 
 
 @needs_gguf
-def test_gguf_file_loads_same_logits(tmp_path):
+def test_gguf_file_loads_same_logits(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETRL_CACHE_DIR", str(tmp_path / "cache"))  # GGUF loads are cached: keep this file's here
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, seed=4)
     path = _write_llama_gguf(model, tok, tmp_path / "tiny.gguf")
