@@ -11,7 +11,7 @@
 # `run` uses four GPUs at once: fleetrl seeds 0 then 1 on GPU 0, TRL seed 0 on GPU 1, TRL seed 1 on GPU 2, and on
 # GPU 3 the GPU-marked tests (the SmolLM2 ones included: none may skip), then fleetrl seeds 0 and 1 without
 # torch.compile. TRL stops at STEPS or TRL_BUDGET_S seconds of wall-clock, whichever comes first. Logs and JSON go
-# to $OUT (run directories to /tmp/race-runs: checkpoints stay on the machine).
+# to $OUT (run directories to /tmp/race-runs: checkpoints stay on the machine). EXTRAS=0 leaves GPU 3 idle.
 set -uo pipefail
 cmd=${1:-}
 case "$cmd" in
@@ -42,7 +42,7 @@ case "$cmd" in
     # a TRL run that dies (TRL has no guard against a non-finite update) is reported; seed 2 then runs in its place
     (race 2 trl 1 --budget-s "$budget" || race 2 trl 2 --budget-s "$((budget * 2 / 3))") &
     # GPU 3: the GPU-marked tests, then fleetrl without torch.compile (a 135M model's 150 steps may not repay it)
-    (CUDA_VISIBLE_DEVICES=3 timeout 300 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests \
+    [ "${EXTRAS:-1}" = 1 ] && (CUDA_VISIBLE_DEVICES=3 timeout 300 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests \
        >"$OUT/gpu_tests.log" 2>&1; echo "rc=$? gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
      TAG=_nocompile race 3 fleetrl 0 --tag _nocompile --set actor.compile=false
      TAG=_nocompile race 3 fleetrl 1 --tag _nocompile --set actor.compile=false) &

@@ -41,8 +41,10 @@ MODEL = "smollm2-135m"
 HP: dict[str, Any] = {"prompts_per_step": 8, "n": 8, "max_new_tokens": 48, "temperature": 1.0, "lr": 5e-6,
                       "grad_clip": 1.0, "clip_eps": 0.2, "max_prompt_length": 128}
 # Sums and differences of two 1-digit, then two 2-digit numbers (reasoning-gym basic_arithmetic). One-digit ones
-# have ~240 distinct questions, so few train rows leave held-out ones: (train rows, held-out rows) per digit count.
-SIZES = {1: (120, 80), 2: (2000, 120)}
+# have ~240 distinct questions, so few train rows leave held-out ones: (train rows, held-out rows made) per digit
+# count; the held-out rows also in the other task's training rows are dropped, and VAL_ROWS kept in all.
+SIZES = {1: (120, 80), 2: (2000, 160)}
+VAL_ROWS = 200
 ARITH = {"min_terms": 2, "max_terms": 2, "allow_parentheses": False, "allow_negation": False,
          "operators": ["+", "-"]}
 EVAL_BATCH = 128
@@ -59,9 +61,18 @@ def make_race_data(out: Path, seed: int = 0) -> None:
     parts: dict[str, list] = {"train": [], "val": []}
     for digits, (n_train, n_val) in SIZES.items():
         made = make_data("basic_arithmetic", out / f"digits{digits}", n_train=n_train, n_val=n_val,
-                         seed=seed + digits, options={**ARITH, "max_digits": digits})
+                         seed=seed + digits, options={**ARITH, "min_digits": digits, "max_digits": digits})
         parts["train"].append(pq.read_table(made.train))
         parts["val"].append(pq.read_table(made.val))
+    seen = {r["prompt"][-1]["content"] for t in parts["train"] for r in t.to_pylist()}
+    # max_digits=2 alone draws many one-digit numbers (83 of 200 held-out rows were 2-digit training rows before
+    # min_digits); with it a few remain (2-digit numbers start at 0), so the union is filtered too
+    val = list({r["prompt"][-1]["content"]: r for t in parts["val"] for r in t.to_pylist()
+                if r["prompt"][-1]["content"] not in seen}.values())  # each held-out question once
+    if len(val) < VAL_ROWS:
+        raise SystemExit(f"error: only {len(val)} held-out questions are not training questions; raise SIZES' "
+                         f"held-out counts to keep {VAL_ROWS}")
+    parts["val"] = [pa.Table.from_pylist(val[:VAL_ROWS])]
     for split, tables in parts.items():
         pq.write_table(pa.concat_tables(tables), out / f"{split}.parquet")
         print(f"wrote {out / f'{split}.parquet'}: {sum(t.num_rows for t in tables)} rows")
@@ -124,24 +135,18 @@ def load_base(device: str) -> tuple[Any, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------- fleetrl
+EXAMPLE = "examples/grpo_smollm2_gpu.yaml"  # fleetrl's side is the README's main GPU job, with HP's values
+
+
 def fleetrl_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """EXAMPLE as it is, with the race's data, seed, steps and run directory; in process (cluster.backend=local)."""
     cuda = torch.cuda.is_available()
     return [
-        f"model.path={MODEL}", "model.dtype=float32", f"data.train={args.data / 'train.parquet'}",
-        f"data.val={args.data / 'val.parquet'}", f"data.prompts_per_step={HP['prompts_per_step']}",
-        f"data.val_max_prompts={args.val_rows or 'null'}", "data.shuffle=true",
-        f"data.max_prompt_length={HP['max_prompt_length']}",
-        "rollout.engine=fast", "rollout.compute_dtype=auto", f"rollout.n={HP['n']}",
-        f"rollout.temperature={HP['temperature']}", f"rollout.max_new_tokens={HP['max_new_tokens']}",
-        "algorithm.advantage=grpo", "algorithm.loss_agg=token-mean", "algorithm.micro_batch_tokens=4096",
-        f"algorithm.clip_low={HP['clip_eps']}", f"algorithm.clip_high={HP['clip_eps']}",
-        "actor.forward=native", f"actor.compile={str(cuda).lower()}", "actor.autocast=auto",
-        "actor.share_prompts=true", "actor.fused_logprob_chunk=512", "actor.logprob_chunk=null",
-        f"actor.optim.lr={HP['lr']}", f"actor.optim.grad_clip={HP['grad_clip']}",
+        f"data.train={args.data / 'train.parquet'}", f"data.val={args.data / 'val.parquet'}",
+        f"data.val_max_prompts={args.val_rows or 'null'}", f"actor.compile={str(cuda).lower()}",
         f"trainer.total_steps={args.steps}", f"trainer.val_every={args.val_every}", f"trainer.seed={args.seed}",
-        "trainer.val_before_train=true", "trainer.save_every=0", f"trainer.output_dir={run_dir}",
-        f"trainer.name=race-fleetrl-s{args.seed}", "tracking.tensorboard=false", "tracking.progress=false",
-        "tracking.console=false", "cluster.backend=local",
+        f"trainer.output_dir={run_dir}", f"trainer.name=race-fleetrl-s{args.seed}", "tracking.tensorboard=false",
+        "tracking.progress=false", "tracking.console=false", "cluster.backend=local",
         f"cluster.pools.main.gpus_per_worker={1 if cuda else 0}",
     ]
 
@@ -181,7 +186,7 @@ def run_fleetrl(args: argparse.Namespace, result: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     stamper = JsonlStamper(run_dir / "metrics.jsonl", t0)
     stamper.start()
-    train(None, overrides)
+    train(EXAMPLE, overrides)
     result["wall_s"] = time.perf_counter() - t0
     stamper.done.set()
     stamper.join()

@@ -90,6 +90,13 @@ COVERAGE: dict[str, Covered] = {
                                        "has the parts the README names"),
     "TOKENS=4096 bash bench/gpu_suite.sh": Covered(f"{HERE}::test_the_gpu_suite_has_the_parts_the_readme_names",
                                                    "needs 2 GPUs (the device machine)"),
+    "PYTHONPATH=. python bench/race_trl.py data": Covered(
+        "tests/bench/test_race_trl.py::test_the_race_data_command_makes_disjoint_train_and_held_out_rows",
+        "that test runs the command's own entry point (race_trl.main) into a temporary directory"),
+    "fleetrl train examples/grpo_smollm2_gpu.yaml": Covered(
+        "tests/bench/test_race_trl.py::test_the_example_with_the_race_overrides_is_the_config_that_was_raced",
+        "needs a GPU: bench/gpu_race.sh runs it there (bench/RESULTS.md); that test checks the example is the config "
+        "the race ran"),
     "pytest -m gpu": Covered(
         "tests/integration/test_smollm2_gpu.py::test_smollm2_lora_example_trains_two_steps_on_a_gpu_in_mixed_precision",
         "needs a CUDA GPU (tests/conftest.py skips `gpu` tests without one); that is one of them"),
