@@ -290,10 +290,23 @@ def trl_target(results: list[dict[str, Any]]) -> float | None:
     return statistics.mean(finals) if finals else None
 
 
+def trl_best_reward(results: list[dict[str, Any]]) -> float | None:
+    """The best smoothed train reward any TRL run reached (before it ended or diverged): the yardstick when no TRL run
+    finished to a final held-out accuracy."""
+    best = [max(smooth([s["reward"] for s in r["steps"]])) for r in results if r["framework"] == "trl" and r["steps"]]
+    return max(best) if best else None
+
+
+def first_reach(r: dict[str, Any], level: float) -> float | None:
+    """Seconds until the run's smoothed train reward first reaches `level`."""
+    ys = smooth([s["reward"] for s in r["steps"]])
+    return next((s["elapsed_s"] for s, y in zip(r["steps"], ys) if y >= level), None)
+
+
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per run: s/step, when its first step ended, accuracy before/after with intervals, peak memory, and
     for fleetrl the time to reach TRL's final accuracy (its first in-run validation at or above it)."""
-    target = trl_target(results)
+    target, best = trl_target(results), trl_best_reward(results)
     rows = []
     for r in sorted(results, key=lambda r: (label(r), r["seed"])):
         step_s = [s["step_s"] for s in r["steps"][1:]]  # the first step holds compile / warm-up
@@ -304,11 +317,12 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "s_per_step": statistics.median(step_s) if step_s else None, "wall_s": r["wall_s"],
                      "first_step_s": r["steps"][0]["elapsed_s"] if r["steps"] else None,
                      "acc_before": r["eval_before"], "acc_after": r.get("eval_after"), "error": r.get("error"),
-                     "reach_trl_final_s": reach, "peak_gpu_gib": r.get("peak_gpu_gib")})
+                     "reach_trl_final_s": reach, "peak_gpu_gib": r.get("peak_gpu_gib"),
+                     "reach_trl_best_reward_s": first_reach(r, best) if best is not None else None})
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], target: float | None) -> str:
+def markdown(rows: list[dict[str, Any]], target: float | None, best: float | None = None) -> str:
     def acc(e: dict[str, Any] | None) -> str:
         if not e:
             return "-"
@@ -318,16 +332,19 @@ def markdown(rows: list[dict[str, Any]], target: float | None) -> str:
         return "-" if x is None else format(x, fmt)
 
     lines = ["| run | seed | steps | s/step (median) | first step done at (s) | wall-clock (s) | held-out acc before "
-             "| held-out acc after [95% Wilson] | time to TRL's final acc (s) | peak GPU GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| held-out acc after [95% Wilson] | time to TRL's final acc (s) | time to TRL's best train reward (s) "
+             "| peak GPU GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         reach = "-" if r["framework"] == "trl" else num(r["reach_trl_final_s"], ".0f").replace("-", "not reached")
         after = acc(r["acc_after"]) if not r["error"] else f"failed: {r['error']}"
         lines.append(f"| {r['run']} | {r['seed']} | {r['steps']} | {num(r['s_per_step'], '.3f')} | "
                      f"{num(r['first_step_s'], '.1f')} | {r['wall_s']:.0f} | {acc(r['acc_before'])} | {after} | "
-                     f"{reach} | {num(r['peak_gpu_gib'], '.2f')} |")
+                     f"{reach} | {num(r['reach_trl_best_reward_s'], '.0f')} | {num(r['peak_gpu_gib'], '.2f')} |")
     if target is not None:
         lines.append(f"\nTRL's final held-out accuracy (mean of its finished seeds): {target:.3f}")
+    if best is not None:
+        lines.append(f"\nTRL's best train reward (mean of 64, smoothed over 10 steps), any seed: {best:.3f}")
     return "\n".join(lines)
 
 
@@ -419,7 +436,7 @@ def report(args: argparse.Namespace) -> int:
         print(f"error: {args.results} holds no race results (*_s<seed>.json); run `race_trl.py run ...` first",
               file=sys.stderr)
         return 2
-    print(markdown(summarize(results), trl_target(results)))
+    print(markdown(summarize(results), trl_target(results), trl_best_reward(results)))
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -12,7 +12,7 @@ from fleetrl.config import load_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import race_trl  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench/results/race_h200_2026-11-27/race"
+RESULTS = Path(__file__).resolve().parents[2] / "bench/results/race_h200_2026-11-27_leaky_val/race"
 
 
 def _args(**kw):
@@ -21,7 +21,8 @@ def _args(**kw):
 
 
 def test_the_example_with_the_race_overrides_is_the_config_that_was_raced():
-    # the overrides the H200 race ran with (recorded in its result) spelled the whole config out one key at a time
+    # the first H200 race (recorded in its result) spelled the whole config out one key at a time; later ones run the
+    # example itself with race_trl.fleetrl_overrides
     raced = json.loads((RESULTS / "fleetrl_s0.json").read_text())["fleetrl_overrides"]
     as_raced = load_config(None, raced)
     data = Path("/tmp/carry/files/data/race")
