@@ -1,5 +1,5 @@
-"""Where fleetrl keeps what it can rebuild but would rather not rebuild at every start: converted tokenizers and the
-compile caches of torch.compile (Inductor) and Triton.
+"""Where fleetrl keeps what it can rebuild but would rather not rebuild at every start: converted tokenizers, GGUF
+models dequantised to float (models/gguf_cache.py) and the compile caches of torch.compile (Inductor) and Triton.
 
 `FLEETRL_CACHE_DIR` names the directory; by default `$XDG_CACHE_HOME/fleetrl` (`~/.cache/fleetrl`). Everything in it
 may be deleted at any time.
