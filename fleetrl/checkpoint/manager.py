@@ -13,6 +13,7 @@ Layout of OUT/checkpoints/step_N/ (written as step_N.tmp/, renamed when complete
 from __future__ import annotations
 
 import difflib
+import errno
 import json
 import logging
 import os
@@ -47,7 +48,7 @@ RUN_CONTROL_KEYS = frozenset({
 # (path, problem) of each broken checkpoint already warned about: a run looks for its resume point more than once
 # (run.py's early check, then the Trainer's load; again at a stop or a recovery), and says so once.
 _warned: set[tuple[Path, str]] = set()
-__all__ = ["CheckpointError", "Stateful", "find_resume", "load_checkpoint", "other_model_message", "save_checkpoint",
+__all__ = ["CheckpointError", "DiskFullError", "Stateful", "find_resume", "load_checkpoint", "other_model_message", "save_checkpoint",
            "validate_checkpoint"]
 
 
@@ -66,11 +67,80 @@ def checkpoint_root(out_dir: Path) -> Path:
 def save_checkpoint(out_dir: Path, step: int, *, groups: Sequence["WorkerGroup"], state: Mapping[str, Stateful],
                     config: RunConfig, actor: "WorkerGroup | None" = None) -> Path:
     """Writes OUT/checkpoints/step_N atomically. `groups`: every worker group (each worker saves its share);
-    `state`: the controller's parts by name; `actor`: the actor's group when delta checkpoints are on."""
-    from fleetrl.workers.worker import Worker
-
+    `state`: the controller's parts by name; `actor`: the actor's group when delta checkpoints are on. A save that
+    fails leaves no step_N.tmp; one that failed for a full disk raises DiskFullError (one line for the user)."""
     root = checkpoint_root(out_dir)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    try:
+        return _save(root, final, tmp, step, groups=groups, state=state, config=config, actor=actor)
+    except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
+        free = _free_bytes(root)  # before the cleanup: what the save ran into
+        # A failed save leaves no step_N.tmp behind: resume never picks one, but it would keep the disk full.
+        shutil.rmtree(tmp, ignore_errors=True)
+        (root / "latest.tmp").unlink(missing_ok=True)
+        if not is_disk_full(e):
+            raise
+        raise DiskFullError(disk_full_message(root, step, free, _newest_complete(root))) from e
+
+
+class DiskFullError(CheckpointError):
+    """A checkpoint save ran out of space: the user frees some or writes elsewhere; never a bug to trace back."""
+
+
+# How a full disk shows up beside ENOSPC: torch's zip writer (torch.save, DCP's metadata) reports a short write as
+# an `inline_container.cc` enforce failure ("unexpected pos 704 vs 598"), and Ray passes a worker's error as text.
+_DISK_FULL_TEXT = ("No space left", "Disk quota exceeded", "inline_container", "unexpected pos")
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether `e`, or an error it was raised from (a worker's, DCP's per-rank failures), is a full disk."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(t in str(err) for t in _DISK_FULL_TEXT):
+            return True
+        todo += [err.__cause__, err.__context__]
+        failures = getattr(err, "failures", None)  # CheckpointException: {rank: WrappedException(exc, trace)}
+        if isinstance(failures, Mapping):
+            todo += [getattr(f, "exc", None) for f in failures.values()]
+    return False
+
+
+def disk_full_message(root: Path, step: int, free: int | None, newest: Path | None) -> str:
+    free_text = f"{free} bytes free" if free is not None else "free space unknown"
+    safe = (f"the newest complete checkpoint is {newest} (safe; trainer.resume=auto continues from it)"
+            if newest is not None else "there is no complete checkpoint yet (a resume starts again at step 0)")
+    return (f"checkpoint directory {root}: saving step {step} failed because the disk is full ({free_text} on its "
+            f"filesystem); the partial step_{step} was removed and {safe}. Free space on that disk, or point "
+            f"trainer.output_dir at a larger one, or keep fewer checkpoints with a lower trainer.keep_last "
+            f"(e.g. trainer.keep_last=2), then run again with trainer.resume=auto")
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _newest_complete(root: Path) -> Path | None:
+    """The newest checkpoint in `root` that passes validation (no warnings: this is only for the message)."""
+    for s in sorted(_steps(root), reverse=True):
+        if validate_checkpoint(root / f"step_{s}") is None:
+            return root / f"step_{s}"
+    return None
+
+
+def _save(root: Path, final: Path, tmp: Path, step: int, *, groups: Sequence["WorkerGroup"],
+          state: Mapping[str, Stateful], config: RunConfig, actor: "WorkerGroup | None") -> Path:
+    from fleetrl.workers.worker import Worker
+
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "workers").mkdir(parents=True)
     for group in groups:
