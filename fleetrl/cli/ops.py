@@ -145,9 +145,10 @@ def submit(
     token_file: Optional[Path] = TokenFile,
 ) -> None:
     """Submit `fleetrl train CONFIG overrides...` to the cluster as a Ray job; prints the job id. The job joins
-    the cluster it is submitted to (cluster.address=auto) unless the config names an address."""
-    from fleetrl.cluster.jobs import env_from_args, secret_env_names
-    from fleetrl.cluster.jobs import submit as submit_job
+    the cluster it is submitted to (cluster.address=auto) unless the config names an address. Without
+    trainer.output_dir it writes to $HOME/fleetrl-runs/NAME-TIMESTAMP on the head (not inside Ray's working dir
+    copy, which Ray may delete); set trainer.output_dir (a shared path for multi-node runs) to choose."""
+    from fleetrl.cluster.jobs import env_from_args, secret_env_names, submission_spec, submit_spec
     from fleetrl.config import check_plan, load_config
     from fleetrl.envs.check import check_env_config
 
@@ -163,8 +164,12 @@ def submit(
                           f"lifetime; to keep a secret out of it, export it before `fleetrl cluster up` on the "
                           f"head or read it from a file with ${{file:PATH}} (docs/multinode.md)",
                           soft_wrap=True, highlight=False, markup=False)
-    job_id = submit_job(address, config, list(overrides or []), working_dir=working_dir, env_vars=env_vars,
-                        token=_token(token_file))
+    spec = submission_spec(config, list(overrides or []), working_dir=working_dir, env_vars=env_vars)
+    job_id = submit_spec(address, spec, _token(token_file))
+    if spec.output_dir is not None:  # on stderr, before the id: scripts read the job id as the last stdout line
+        err_console.print(f"run directory on the head: {spec.output_dir} (trainer.output_dir unset; set it to "
+                          f"write elsewhere, e.g. a shared filesystem)", soft_wrap=True, highlight=False,
+                          markup=False)
     console.print(job_id)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shlex
 import sys
 import time
@@ -45,6 +46,10 @@ UPLOAD_TIMEOUT_S = 600.0
 # `jobs logs --follow`: after this long without a log line, ask the head (bounded) whether the job still runs.
 FOLLOW_IDLE_S = 30.0
 TERMINAL = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
+# A submitted run without trainer.output_dir writes under the head's home (expanded there by the job's shell), like
+# `fleetrl train`'s runs/ but outside Ray's working_dir package, which Ray may delete.
+HOME_PREFIX = "$HOME/"
+RUNS_DIR = "fleetrl-runs"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,10 +68,14 @@ class SubmissionSpec:
     runtime_env: dict[str, Any]
     metadata: dict[str, str] = field(default_factory=dict)
     """Ray keeps this in the job record: names only, never values."""
+    output_dir: str | None = None
+    """The run directory `submit` chose on the head ($HOME/fleetrl-runs/...), None when the config or an override
+    sets trainer.output_dir."""
 
 
-def train_entrypoint(config: str, overrides: Sequence[str] = ()) -> str:
-    """The shell command a submitted run executes: `python -m fleetrl.cli.main train CONFIG k=v ...`."""
+def train_entrypoint(config: str, overrides: Sequence[str] = (), output_dir: str | None = None) -> str:
+    """The shell command a submitted run executes: `python -m fleetrl.cli.main train CONFIG k=v ...`.
+    `output_dir` (default_output_dir's `$HOME/...`) is appended with $HOME left for the head's shell to expand."""
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not key=value (e.g. trainer.total_steps=100)")
@@ -74,7 +83,40 @@ def train_entrypoint(config: str, overrides: Sequence[str] = ()) -> str:
         if is_secret_key(key.rsplit(".", 1)[-1]) and not item.partition("=")[2].startswith("${"):
             raise ValueError(f"override {key}=... would be kept in clear in the cluster's job record; pass "
                              f"{key}='${{env:NAME}}' with --env NAME (or ${{file:PATH}} on the cluster) instead")
-    return shlex.join(["python", "-m", "fleetrl.cli.main", "train", config, *overrides])
+    command = shlex.join(["python", "-m", "fleetrl.cli.main", "train", config, *overrides])
+    if output_dir is None:
+        return command
+    rest = output_dir.removeprefix(HOME_PREFIX)
+    if rest == output_dir:
+        raise ValueError(f"output_dir {output_dir!r} must start with {HOME_PREFIX}")
+    # Only $HOME stays unquoted: the job's shell expands it to the head's home, not the submitter's.
+    return f'{command} trainer.output_dir="$HOME"/{shlex.quote(rest)}'
+
+
+def default_output_dir(config_path: Path, overrides: Sequence[str], now: float | None = None) -> str | None:
+    """Where a submitted run writes when neither an override nor the config file sets trainer.output_dir:
+    `$HOME/fleetrl-runs/NAME-YYYYmmdd-HHMMSS-mmm` (UTC) on the head. Without it the run's relative `runs/...` would land
+    inside Ray's unpacked working_dir package, which Ray deletes when it cleans up its runtime resources."""
+    keys = {o.partition("=")[0].strip(): o.partition("=")[2] for o in overrides}
+    trainer = _raw_section(config_path, "trainer")
+    if "trainer.output_dir" in keys or trainer.get("output_dir") is not None:
+        return None
+    name = keys.get("trainer.name") or str(trainer.get("name") or "run")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "run"  # one path component, any shell
+    now = time.time() if now is None else now
+    # UTC: the submitter's and the head's time zones may differ; the name must read the same on both.
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + f"-{int(now * 1000) % 1000:03d}"
+    return f"{HOME_PREFIX}{RUNS_DIR}/{name}-{stamp}"
+
+
+def _raw_section(config_path: Path, section: str) -> dict[str, Any]:
+    """One section of the config file as plain YAML ({} when unreadable: `fleetrl train` on the head reports it)."""
+    try:
+        raw = yaml.safe_load(Path(config_path).read_text()) or {}
+        value = raw.get(section) if isinstance(raw, dict) else None
+    except (OSError, yaml.YAMLError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def with_cluster_address(config_path: Path, overrides: Sequence[str]) -> list[str]:
@@ -92,11 +134,13 @@ def with_cluster_address(config_path: Path, overrides: Sequence[str]) -> list[st
 
 def submission_spec(config: str, overrides: Sequence[str] = (), *, working_dir: Path = Path("."),
                     env_vars: Mapping[str, str] | None = None) -> SubmissionSpec:
-    """The job a `fleetrl submit` sends: train entrypoint joining this cluster, upload without secrets."""
+    """The job a `fleetrl submit` sends: train entrypoint joining this cluster and writing to a run directory
+    outside the uploaded package (default_output_dir), upload without secrets."""
+    output_dir = default_output_dir(Path(working_dir) / config, overrides)
     overrides = with_cluster_address(Path(working_dir) / config, overrides)
-    return SubmissionSpec(entrypoint=train_entrypoint(config, overrides),
+    return SubmissionSpec(entrypoint=train_entrypoint(config, overrides, output_dir),
                           runtime_env=runtime_env(working_dir, env_vars),
-                          metadata={"fleetrl_env_names": ",".join(sorted(env_vars or {}))})
+                          metadata={"fleetrl_env_names": ",".join(sorted(env_vars or {}))}, output_dir=output_dir)
 
 
 def env_from_args(items: Sequence[str], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -145,6 +189,12 @@ def submit_entrypoint(address: str, entrypoint: str, *, working_dir: Path = Path
     """Submits any shell command with the same runtime env as a training run."""
     return _submit_spec(address, SubmissionSpec(entrypoint=entrypoint, runtime_env=runtime_env(working_dir, env_vars)),
                         token, submission_id)
+
+
+def submit_spec(address: str, spec: SubmissionSpec, token: auth.ClusterToken | None = None,
+                submission_id: str | None = None) -> str:
+    """Submits a spec built by submission_spec (so the caller can show its output_dir); returns the job id."""
+    return _submit_spec(address, spec, token, submission_id)
 
 
 def _submit_spec(address: str, spec: SubmissionSpec, token: auth.ClusterToken | None,

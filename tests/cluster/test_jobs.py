@@ -115,16 +115,45 @@ def _spec_dir(tmp_path, config_text=None):
 
 
 def test_submitted_driver_joins_the_cluster_unless_an_address_is_named(tmp_path):
-    wd = _spec_dir(tmp_path, "trainer: {total_steps: 2}\n")
+    wd = _spec_dir(tmp_path, "trainer: {total_steps: 2, output_dir: /r}\n")
     assert jobs.submission_spec("c.yaml", ["trainer.seed=1"], working_dir=wd).entrypoint == \
         "python -m fleetrl.cli.main train c.yaml trainer.seed=1 cluster.address=auto"
     # the user's own choice wins: an override, or an address in the config file
     assert jobs.submission_spec("c.yaml", ["cluster.address=10.0.0.1:6379"], working_dir=wd).entrypoint.endswith(
         "train c.yaml cluster.address=10.0.0.1:6379")
-    (wd / "d.yaml").write_text("cluster: {address: 10.0.0.2:6379}\n")
+    (wd / "d.yaml").write_text("cluster: {address: 10.0.0.2:6379}\ntrainer: {output_dir: /r}\n")
     assert jobs.submission_spec("d.yaml", working_dir=wd).entrypoint.endswith("train d.yaml")
     # a config the submitter cannot read still joins the cluster (`fleetrl train` there reports the file)
-    assert jobs.submission_spec("nope.yaml", working_dir=wd).entrypoint.endswith("nope.yaml cluster.address=auto")
+    assert "nope.yaml cluster.address=auto" in jobs.submission_spec("nope.yaml", working_dir=wd).entrypoint
+
+
+def _head_argv(entrypoint: str, home: str) -> list[str]:
+    """The words the job's shell passes to `python -m fleetrl.cli.main`, with the head's HOME (printf stands in)."""
+    shown = entrypoint.replace("python -m fleetrl.cli.main", "printf '%s\\n'", 1)
+    return subprocess.run(["sh", "-c", shown], env={"HOME": home, "PATH": os.environ["PATH"]}, check=True,
+                          capture_output=True, text=True).stdout.splitlines()
+
+
+def test_submitted_run_without_output_dir_writes_under_the_heads_home_not_the_package(tmp_path, monkeypatch):
+    # Ray unpacks the upload into a package dir and runs the job there: a relative runs/... would live (and be
+    # cleaned up) with it. 1767225600.25 is 2026-01-01 00:00:00.250 UTC.
+    monkeypatch.setattr(time, "time", lambda: 1767225600.25)
+    wd = _spec_dir(tmp_path, "trainer: {total_steps: 2, name: my grpo}\n")
+    spec = jobs.submission_spec("c.yaml", ["trainer.seed=1"], working_dir=wd)
+    outs = [a.partition("=")[2] for a in _head_argv(spec.entrypoint, "/home/alice")
+            if a.startswith("trainer.output_dir=")]
+    assert outs == ["/home/alice/fleetrl-runs/my-grpo-20260101-000000-250"]
+    assert Path(outs[0]).is_absolute() and not Path(outs[0]).is_relative_to(wd)
+    assert spec.output_dir == "$HOME/fleetrl-runs/my-grpo-20260101-000000-250"  # what `submit` prints
+    # an override's name wins over the file's
+    spec = jobs.submission_spec("c.yaml", ["trainer.name=b"], working_dir=wd)
+    assert spec.output_dir == "$HOME/fleetrl-runs/b-20260101-000000-250"
+    # the user's own output_dir (override or config file) is left alone
+    spec = jobs.submission_spec("c.yaml", ["trainer.output_dir=/mnt/shared/r"], working_dir=wd)
+    assert spec.output_dir is None and spec.entrypoint.endswith("train c.yaml trainer.output_dir=/mnt/shared/r "
+                                                                "cluster.address=auto")
+    (wd / "d.yaml").write_text("trainer: {output_dir: /mnt/shared/d}\n")
+    assert jobs.submission_spec("d.yaml", working_dir=wd).output_dir is None
 
 
 def test_upload_leaves_secret_files_and_outputs_behind(tmp_path):
@@ -177,8 +206,9 @@ def test_submit_runs_fleetrl_train_on_the_cluster(head):
     assert result.exit_code == 0, result.output
     job_id = result.output.strip().splitlines()[-1]
     info = _wait(head, job_id, TERMINAL, timeout=180)  # `fleetrl train` imports torch first: slow on a busy box
-    assert info.entrypoint == ("python -m fleetrl.cli.main train run.yaml trainer.total_steps=1 "
-                               "data.train=missing.jsonl cluster.address=auto")
+    assert info.entrypoint.startswith("python -m fleetrl.cli.main train run.yaml trainer.total_steps=1 "
+                                      "data.train=missing.jsonl cluster.address=auto "
+                                      'trainer.output_dir="$HOME"/fleetrl-runs/quickstart-')
     # `fleetrl train` itself ran on the cluster and rejected the data file it was given.
     assert "missing.jsonl" in jobs.job_logs(head["url"], job_id, head["token"])
     listed = _cli("jobs", "list", "--address", head["url"], "--token-file", token_file)
@@ -292,3 +322,16 @@ def test_submit_checks_the_config_before_contacting_the_cluster(tmp_path):
     assert r.exit_code == 2 and r.output.startswith("error: unknown config key 'trainer.totl'"), r.output
     r = _cli("submit", "nothere.yaml", "--working-dir", str(tmp_path), "--address", "http://127.0.0.1:9")
     assert r.exit_code == 2 and "does not exist" in r.output, r.output
+
+
+def test_submit_says_where_the_run_writes_before_the_job_id(monkeypatch):
+    # The job id stays the last line (scripts read it); the run directory is named on stderr before it.
+    sent = []
+    monkeypatch.setattr(time, "time", lambda: 1767225600.25)
+    monkeypatch.setattr(jobs, "submit_spec", lambda address, spec, token=None: sent.append(spec) or "raysubmit_1")
+    r = _cli("submit", "examples/quickstart.yaml", "--address", "http://127.0.0.1:9")
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert lines[-1] == "raysubmit_1"
+    assert lines[-2].startswith("run directory on the head: $HOME/fleetrl-runs/quickstart-20260101-000000-250 ")
+    assert sent[0].output_dir == "$HOME/fleetrl-runs/quickstart-20260101-000000-250"
