@@ -34,5 +34,7 @@ def test_doctor_counts_the_rm_pool():
     short = dr.check_placement(plan, [_node("a", 8)])
     assert not short.ok
     assert "pool 'rm' (roles reward_model) asks for 1 node(s) × 8 worker(s)" in short.detail
-    # 8 GPUs in total, but none left on the one node once 'main' holds them
-    assert "no 1 more node(s) can each hold {CPU: 2, GPU: 8}" in short.detail
+    # 8 GPUs in total: 'main' takes all 8 and the RM pool asks 8 more, so it is the total that is short, and the
+    # message says so (not a per-node shape)
+    assert "GPU: the pools together need 16 (main 8, rm 8), cluster has 8." in short.detail
+    assert "per-node shape" not in short.detail
