@@ -211,14 +211,9 @@ def run_trl(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from fleetrl.models.gguf_cache import forget_dequantised_gguf
-
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
     model, tokenizer = load_base("cuda" if cuda else "cpu")
-    # transformers keeps the GGUF quantizer on the dequantised (plain float) model, and its Trainer then refuses
-    # to fine-tune "a purely quantized model"; fleetrl trains the same float weights
-    forget_dequantised_gguf(model)
     rows = read_rows(args.data / "train.parquet")
     dataset = Dataset.from_list([{"prompt": list(r["prompt"]), "row": json.dumps(r, default=str)} for r in rows])
 

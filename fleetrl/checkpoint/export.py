@@ -26,7 +26,6 @@ from fleetrl.checkpoint.integrity import validate_checkpoint
 from fleetrl.config.load import build
 from fleetrl.config.schema import LoraConfig
 from fleetrl.errors import UserError
-from fleetrl.models.gguf_cache import forget_dequantised_gguf
 from fleetrl.models.hf import DTYPES, load_causal_lm, load_tokenizer
 from fleetrl.models.lora import adapter_keys, apply_lora
 
@@ -148,8 +147,7 @@ def write_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     out_dir.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
         model = model.to(DTYPES[dtype])
-    forget_dequantised_gguf(model)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, safe_serialization=True)  # a GGUF base left load_causal_lm without its quantizer
     tokenizer.save_pretrained(out_dir)
     return out_dir
 

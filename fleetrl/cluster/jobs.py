@@ -179,7 +179,7 @@ def submit(address: str, config: str, overrides: Sequence[str] = (), *, working_
            env_vars: Mapping[str, str] | None = None, token: auth.ClusterToken | None = None,
            submission_id: str | None = None) -> str:
     """Submits a training run; returns the job id."""
-    return _submit_spec(address, submission_spec(config, overrides, working_dir=working_dir, env_vars=env_vars),
+    return submit_spec(address, submission_spec(config, overrides, working_dir=working_dir, env_vars=env_vars),
                         token, submission_id)
 
 
@@ -187,18 +187,13 @@ def submit_entrypoint(address: str, entrypoint: str, *, working_dir: Path = Path
                       env_vars: Mapping[str, str] | None = None, token: auth.ClusterToken | None = None,
                       submission_id: str | None = None) -> str:
     """Submits any shell command with the same runtime env as a training run."""
-    return _submit_spec(address, SubmissionSpec(entrypoint=entrypoint, runtime_env=runtime_env(working_dir, env_vars)),
+    return submit_spec(address, SubmissionSpec(entrypoint=entrypoint, runtime_env=runtime_env(working_dir, env_vars)),
                         token, submission_id)
 
 
 def submit_spec(address: str, spec: SubmissionSpec, token: auth.ClusterToken | None = None,
                 submission_id: str | None = None) -> str:
-    """Submits a spec built by submission_spec (so the caller can show its output_dir); returns the job id."""
-    return _submit_spec(address, spec, token, submission_id)
-
-
-def _submit_spec(address: str, spec: SubmissionSpec, token: auth.ClusterToken | None,
-                 submission_id: str | None) -> str:
+    """Submits a spec (submission_spec's, so `fleetrl submit` can show its output_dir); returns the job id."""
     client = _client(address, token)
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:

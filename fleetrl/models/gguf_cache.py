@@ -33,25 +33,25 @@ def cache_folder(gguf_path: Path, what: str) -> Path:
     return user_cache_dir("gguf", f"{gguf_path.stem}-{what}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
 
 
-def cached(folder: Path) -> Path | None:
-    return folder if (folder / COMPLETE).is_file() else None
+def cached(folder: Path) -> bool:
+    return (folder / COMPLETE).is_file()
 
 
 def store(obj: Any, folder: Path) -> None:
     """Saves a dequantised model or a tokenizer (save_pretrained) as `folder`, atomically; a failure to write the
     cache (read-only home, full disk) only costs the next load its conversion, so it never fails the load."""
-    if cached(folder):
-        return
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    except OSError:
+        return
+    try:
         obj.save_pretrained(tmp)
         (tmp / COMPLETE).write_text("")
-        if folder.exists():  # an incomplete folder of an interrupted save
-            shutil.rmtree(folder, ignore_errors=True)
-        os.rename(tmp, folder)
+        shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder of an interrupted save, if any
+        os.rename(tmp, folder)  # fails if another process renamed its copy first: that one stays
     except OSError:
-        shutil.rmtree(locals().get("tmp", folder.parent / ".none"), ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def forget_dequantised_gguf(model: Any) -> None:
@@ -59,8 +59,9 @@ def forget_dequantised_gguf(model: Any) -> None:
     `gguf:FILE`): its weights are plain float tensors, yet `save_pretrained` refuses it ("The model is quantized
     with gguf and is not serializable"), a kept `quantization_config` would make config.json ask for GGUF loading,
     and transformers' Trainer refuses to fine-tune a model still flagged `is_quantized` (TRL's GRPOTrainer in
-    bench/race_trl.py). Every GGUF load goes through it (cached or not), so a model is the same either way. A model
-    with packed (integer) GGUF weights is left for save_pretrained to refuse."""
+    bench/race_trl.py). load_causal_lm applies it to each fresh conversion, before caching it, so every GGUF model
+    it returns (converted or cached) is free of it: export and any Trainer rely on that. A model with packed
+    (integer) GGUF weights is left for save_pretrained to refuse."""
     quantizer = getattr(model, "hf_quantizer", None)
     method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
     if str(getattr(method, "value", method)) != "gguf":

@@ -84,15 +84,11 @@ def load_tokenizer(path_or_id: str, *, trust_remote_code: bool = False,
         return shapes.qwen_tokenizer()  # random:qwen2.5-* models use the Qwen2.5 vocabulary
     if is_model_source(path_or_id):
         path_or_id = resolve_source(path_or_id)
-    source, kwargs = _resolve(path_or_id, key=key)
-    folder = gguf_cache.cache_folder(Path(source, str(kwargs["gguf_file"])), "tokenizer") \
-        if "gguf_file" in kwargs else None
-    if folder is not None and gguf_cache.cached(folder):
-        source, kwargs = str(folder), {}  # converted from the GGUF before on this machine
+    source, kwargs, convert_to = _gguf_cached(*_resolve(path_or_id, key=key), "tokenizer")
     tokenizer = _from_pretrained(AutoTokenizer, "tokenizer", path_or_id, source, key=key,
                                  trust_remote_code=trust_remote_code, **kwargs)
-    if folder is not None and "gguf_file" in kwargs:
-        gguf_cache.store(tokenizer, folder)  # before the pad/padding changes below, which every load applies
+    if convert_to is not None:
+        gguf_cache.store(tokenizer, convert_to)  # before the pad/padding changes below, which every load applies
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer {path_or_id!r} has neither a pad nor an EOS token; add a pad token to "
@@ -140,18 +136,28 @@ def load_causal_lm(
     if (device is not None and device.type != "cpu" and "gguf_file" not in kwargs
             and importlib.util.find_spec("accelerate") is not None):
         kwargs["device_map"] = {"": str(device)}  # each tensor from the file to the device (GGUF dequantises on the host)
-    gguf_folder = gguf_cache.cache_folder(Path(source, str(kwargs["gguf_file"])), dtype) if "gguf_file" in kwargs \
-        else None
-    if gguf_folder is not None and gguf_cache.cached(gguf_folder):
-        source, kwargs = str(gguf_folder), {}  # dequantised before on this machine: read its safetensors
+    source, kwargs, convert_to = _gguf_cached(source, kwargs, dtype)
     model = _from_pretrained(AutoModelForCausalLM, "causal LM", path_or_id, source, key=key,
                              trust_remote_code=trust_remote_code, **{dtype_kw: torch_dtype}, **kwargs)
-    if gguf_folder is not None:
-        gguf_cache.forget_dequantised_gguf(model)  # float weights now, cached or not: the same model either way
-        if "gguf_file" in kwargs:
-            gguf_cache.store(model, gguf_folder)
-            release_freed_memory()  # the dequantised numpy copies are garbage now; hand their pages back
+    if convert_to is not None:
+        # float weights now: stored without the GGUF quantizer, so a cached load gives the same model
+        gguf_cache.forget_dequantised_gguf(model)
+        gguf_cache.store(model, convert_to)
+        release_freed_memory()  # the dequantised numpy copies are garbage now; hand their pages back
     return mark_built_alike((model if device is None else model.to(device)).eval())
+
+
+def _gguf_cached(source: str, kwargs: dict[str, object],
+                 what: str) -> tuple[str, dict[str, object], Path | None]:
+    """(source, kwargs) to load from, and where to store the conversion: a GGUF file converted before on this machine
+    loads from its cached folder (nothing to store); one not yet converted loads from the file and names the folder
+    for its conversion (models/gguf_cache.py); anything else is left as it is."""
+    if "gguf_file" not in kwargs:
+        return source, kwargs, None
+    folder = gguf_cache.cache_folder(Path(source, str(kwargs["gguf_file"])), what)
+    if gguf_cache.cached(folder):
+        return str(folder), {}, None
+    return source, kwargs, folder
 
 
 def _ignore_peft_checkpointing_alias() -> None:
