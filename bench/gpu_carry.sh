@@ -18,11 +18,10 @@ case "$cmd" in
     dir=$2; shift 2
     rm -rf "$dir" && mkdir -p "$dir"
     tar -cf "$dir/all.tar" "$@"
-    (cd "$dir" && sha256sum all.tar | cut -d' ' -f1 > sha256 && split -b "${CHUNK_MIB}M" -d -a 1 all.tar chunk. \
-      && rm all.tar)
-    # split numbers from 0; the calls count from 1
-    n=0; for f in $(ls "$dir"/chunk.* | sort -V); do n=$((n + 1)); mv "$f" "$dir/part.$n"; done
-    for k in $(seq 1 "$n"); do mv "$dir/part.$k" "$dir/chunk.$k"; done
+    # chunk.1, chunk.2, ...: numbered as the calls that carry them
+    (cd "$dir" && sha256sum all.tar | cut -d' ' -f1 > sha256 \
+      && split -b "${CHUNK_MIB}M" --numeric-suffixes=1 -a 1 all.tar chunk. && rm all.tar)
+    n=$(ls "$dir"/chunk.* | wc -l)
     echo "packed $(du -sh "$dir" | cut -f1) into $n chunks in $dir: carry them with 'land k $n', k = 1..$n"
     ;;
   land)

@@ -22,11 +22,9 @@ final accuracy, and its wall-clock includes those validations. Wall-clock starts
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import device_info  # noqa: E402
 
 MODEL = "smollm2-135m"
 HP: dict[str, Any] = {"prompts_per_step": 8, "n": 8, "max_new_tokens": 48, "temperature": 1.0, "lr": 5e-6,
@@ -160,17 +161,19 @@ class JsonlStamper(threading.Thread):
         self.path, self.t0, self.records, self.done = path, t0, [], threading.Event()
 
     def run(self) -> None:
-        seen = 0
+        handle, pending = None, ""
         while True:
             last_pass = self.done.is_set()
-            if self.path.exists():
-                lines = self.path.read_text().splitlines()
+            if handle is None and self.path.exists():
+                handle = self.path.open()
+            if handle is not None:
+                # only what was appended since the last pass; a line still being written waits in `pending`
+                *lines, pending = (pending + handle.read()).split("\n")
                 now = time.perf_counter() - self.t0
-                for line in lines[seen:]:
-                    if line.strip():
-                        self.records.append({**json.loads(line), "elapsed_s": now})
-                seen = len(lines)
+                self.records += [{**json.loads(line), "elapsed_s": now} for line in lines if line.strip()]
             if last_pass:
+                if handle is not None:
+                    handle.close()
                 return
             time.sleep(0.1)
 
@@ -354,7 +357,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     colours: dict[str, str] = {}
     for r in sorted(results, key=lambda r: (label(r), r["seed"])):
         name = label(r)
-        c = "tab:orange" if r["framework"] == "trl" else colours.setdefault(name, colours.get(name) or next(palette))
+        if r["framework"] != "trl" and name not in colours:
+            colours[name] = next(palette)
+        c = colours.get(name, "tab:orange")
         style = "-" if r["seed"] == min(x["seed"] for x in results if label(x) == name) else "--"
         tag = f"{name} seed {r['seed']}" + (" (diverged)" if r.get("error") else "")
         xs, ys = [s["elapsed_s"] for s in r["steps"]], smooth([s["reward"] for s in r["steps"]])
@@ -390,31 +395,22 @@ def smooth(values: list[float], window: int = 10) -> list[float]:
 
 
 # -------------------------------------------------------------------------------------------------------- main
-def device_info() -> dict[str, Any]:
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        return {"device": "cuda", "device_name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)}
-    return {"device": "cpu", "device_name": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
-
-
 def run(args: argparse.Namespace) -> int:
-    import transformers
-
     args.out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     result: dict[str, Any] = {"framework": args.framework, "seed": args.seed, "steps_asked": args.steps,
                               "budget_s": args.budget_s, "tag": args.tag, "extra_overrides": list(args.set),
-                              "hp": HP, "model": MODEL, **device_info(),
-                              "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+                              "hp": HP, "model": MODEL, **device_info(device)}  # date, versions, card
     if args.framework == "trl":
         import trl
 
-        result["versions"]["trl"] = trl.__version__
+        result["trl"] = trl.__version__
         result["generation"] = "TRL's default: transformers generate (no vLLM on the GPU machine)"
-    model, tokenizer = load_base("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_base(device)
     result["eval_before"] = evaluate(model, tokenizer, val_rows(args), HP["max_new_tokens"])
     del model
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if device == "cuda":
+        torch.cuda.empty_cache()
     (run_trl if args.framework == "trl" else run_fleetrl)(args, result)
     out = args.out / f"{args.framework}_s{args.seed}{args.tag}.json"
     out.write_text(json.dumps(result, indent=1, default=str))

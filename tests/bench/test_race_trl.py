@@ -88,3 +88,21 @@ def test_the_race_data_command_makes_disjoint_train_and_held_out_rows(tmp_path):
     question = [r["prompt"][-1]["content"] for r in val]
     assert not set(question) & {r["prompt"][-1]["content"] for r in train}
     assert len(set(question)) == 200
+
+
+def test_the_stamper_reads_each_record_once_even_when_caught_mid_line(tmp_path):
+    import time
+
+    path = tmp_path / "metrics.jsonl"
+    stamper = race_trl.JsonlStamper(path, time.perf_counter())
+    stamper.start()
+    with path.open("w") as f:
+        f.write('{"step": 1}\n{"st')  # the trainer is halfway through its second record
+        f.flush()
+        time.sleep(0.35)
+        f.write('ep": 2}\n')
+    time.sleep(0.35)
+    stamper.done.set()
+    stamper.join(timeout=5)
+    assert [r["step"] for r in stamper.records] == [1, 2]
+    assert stamper.records[0]["elapsed_s"] < stamper.records[1]["elapsed_s"]
