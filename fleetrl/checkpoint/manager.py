@@ -48,8 +48,8 @@ RUN_CONTROL_KEYS = frozenset({
 # (path, problem) of each broken checkpoint already warned about: a run looks for its resume point more than once
 # (run.py's early check, then the Trainer's load; again at a stop or a recovery), and says so once.
 _warned: set[tuple[Path, str]] = set()
-__all__ = ["CheckpointError", "DiskFullError", "Stateful", "find_resume", "load_checkpoint", "other_model_message", "save_checkpoint",
-           "validate_checkpoint"]
+__all__ = ["CheckpointError", "DiskFullError", "Stateful", "find_resume", "load_checkpoint", "other_model_message",
+           "save_checkpoint", "validate_checkpoint"]
 
 
 class Stateful(Protocol):

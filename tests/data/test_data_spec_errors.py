@@ -140,18 +140,16 @@ def test_one_row_without_the_prompt_is_that_rows_fault(tmp_path, tokenizer, writ
                                f"the file have the column). add the prompt to this row or drop the row")
 
 
-def test_a_prompt_column_missing_from_the_whole_file_names_data_input_key(tmp_path, tokenizer, jsonl):
-    path = jsonl(tmp_path / "q.jsonl", [{"question": "what is 1 ?", "answer": "1"}, {"question": "2 ?", "answer": "2"}])
-    cfg = load_config(QUICKSTART, [f"data.train={path}"])
-    with pytest.raises(DataError) as info:
-        _load(cfg, tokenizer)
-    assert str(info.value) == (f"{path}: no row has the prompt column 'prompt' (columns present: ['answer', "
-                               f"'question']); set data.input_key to the column that holds the prompt")
-
-
-def test_a_prompt_column_null_in_every_row_is_the_files_fault(tmp_path, tokenizer, parquet):
-    path = parquet(tmp_path / "empty.parquet", [{"prompt": None, "answer": "1"}, {"prompt": None, "answer": "2"}])
+@pytest.mark.parametrize("write, rows, problem", [
+    # no row has the column: likely named otherwise (data.input_key)
+    ("jsonl", [{"question": "what is 1 ?", "answer": "1"}, {"question": "2 ?", "answer": "2"}],
+     "no row has the prompt column 'prompt' (columns present: ['answer', 'question']); set"),
+    # parquet keeps the column, null in every row: the file's fault
+    ("parquet", [{"prompt": None, "answer": "1"}, {"prompt": None, "answer": "2"}],
+     "the prompt column 'prompt' is empty in every row; fill it in, or set"),
+], ids=["missing_from_the_whole_file", "null_in_every_row"])
+def test_a_prompt_column_no_row_fills_is_the_files_fault(tmp_path, tokenizer, write, rows, problem, request):
+    path = request.getfixturevalue(write)(tmp_path / f"q.{write}", rows)
     with pytest.raises(DataError) as info:
         _load(load_config(QUICKSTART, [f"data.train={path}"]), tokenizer)
-    assert str(info.value) == (f"{path}: the prompt column 'prompt' is empty in every row; fill it in, or set "
-                               f"data.input_key to the column that holds the prompt")
+    assert str(info.value) == f"{path}: {problem} data.input_key to the column that holds the prompt"
