@@ -97,7 +97,7 @@ class Stream:
         why = (stall_reason(now - last_move[i], limits[i], c.stall_s) if stuck else
                f"did not finish within the call deadline of {self.group.deadlines.of(self._head(i).verb):.0f}s "
                f"(cluster.call_timeout_s)")
-        raise _diagnose([calls[j] for j in (stuck or late)], calls, self._head(i).verb, why, now - start,
+        raise _diagnose([calls[j] for j in (stuck or late)], calls, self._head(i).verb, why, start,
                         self.group.stall_dir(), self.group.step)
 
     def _calls(self) -> list[Call]:

@@ -13,15 +13,19 @@ Deadlines (`cluster.call_timeout_s`): `auto` allows `cluster.first_call_timeout_
 (model load, compile, CUDA-graph capture) and afterwards max(floor, 5 × the slowest of its last 10 durations);
 a number fixes it; `cluster.call_timeouts` overrides per verb.
 
-On a stall or a deadline the Python stacks of the stuck workers are dumped (py-spy, on their own node) under
-RUN_DIR/stalls/step_N/ and the error names pool, rank, node, pid, phase and seconds waited.
+On a stall or a deadline the error names pool, rank, node, pid, phase and the seconds it waited, and is logged at
+once; then the Python stacks of the call's workers are dumped (py-spy, on their own node) under RUN_DIR/stalls/step_N/
+within DUMP_DEADLINE_S in all, so a frozen node, which never runs its dump, delays the error by that much at most.
 """
 from __future__ import annotations
 
+import logging
+import shutil
 import subprocess
+import sys
 import time
 from collections import defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,6 +35,12 @@ import ray
 from fleetrl.config.schema import ClusterConfig
 
 AUTO_FACTOR, AUTO_HISTORY, AUTO_FLOOR_S = 5.0, 10, 300.0
+# All of a stall's stack dumps together. py-spy reads a live process in well under a second; a dump that has not
+# come back by then is on a frozen node (its task never runs) and must not hold up the error: the run's recovery
+# waits on the error, and Ray's own node-death verdict (about a minute) would otherwise come first.
+DUMP_DEADLINE_S = 5.0
+
+log = logging.getLogger("fleetrl.cluster")
 
 
 class StallError(RuntimeError):
@@ -131,7 +141,7 @@ def watch(calls: list[Call], *, verb: str, timeout_s: float, stall_s: float, sta
             why = (stall_reason(now - last_move[stuck[0]], limits[stuck[0]], stall_s) if stuck
                    else f"did not finish within the call deadline of {timeout_s:.0f}s (cluster.call_timeout_s)")
             culprits = [calls[i] for i in (stuck or sorted(pending.values()))]
-            raise _diagnose(culprits, calls, verb, why, now - start, stall_dir, step)
+            raise _diagnose(culprits, calls, verb, why, start, stall_dir, step)
     return ray.get([c.ref for c in calls])
 
 
@@ -158,42 +168,62 @@ def _read_pings(calls: list[Call], running, pings: dict[int, Any], last_count: d
             last_count[i], last_move[i] = count, now
 
 
-def _diagnose(culprits: list[Call], calls: list[Call], verb: str, why: str, waited: float, stall_dir: Path | None,
+def _diagnose(culprits: list[Call], calls: list[Call], verb: str, why: str, start: float, stall_dir: Path | None,
               step: int) -> StallError:
+    """The StallError for `culprits`, `start` being when the wait began (time.monotonic). The stall is logged before
+    the stack dump, and the seconds waited are taken after it: the message says what the caller really waited."""
     first = culprits[0]
     names = ", ".join(f"rank {c.rank} (node {c.info.get('ip', '?')}, pid {c.info.get('pid', '?')})" for c in culprits)
-    lines = [f"pool '{first.pool}' {names} {why} in phase '{verb}' at step {step}; waited {waited:.0f}s."]
+    head = f"pool '{first.pool}' {names} {why} in phase '{verb}' at step {step}"
+    log.error("%s; dumping its stacks (at most %gs)", head, DUMP_DEADLINE_S)
+    lines: list[str] = []
     unresponsive: dict[str, str] = {}
+    dump_s = 0.0
     if stall_dir is not None:
         stall_dir.mkdir(parents=True, exist_ok=True)
         top = ""
-        # every worker of the call: the stuck one, and where its peers wait for it; dumped at once, so a frozen
-        # node costs one dump deadline, not one per worker on it
-        for c, dump in zip(calls, dump_stacks([c.info for c in calls])):
+        t0 = time.monotonic()
+        # every worker of the call: the stuck one, and where its peers wait for it; dumped at once, under one
+        # deadline, so a frozen node costs DUMP_DEADLINE_S whatever the number of workers on it
+        dumps = dump_stacks([c.info for c in calls])
+        dump_s = time.monotonic() - t0
+        for c, dump in zip(calls, dumps):
             (stall_dir / f"{c.pool}_r{c.rank}.txt").write_text(dump.text)
             if not dump.reached and c.info.get("node_id"):
                 unresponsive[c.info["node_id"]] = c.info.get("ip", "?")
             if c is first:
-                top = " | ".join(_top_frames(dump.text))
+                top = _top_frames(dump.text)
         lines.append(f"top frames of rank {first.rank}: {top or 'unavailable'}")
         lines.append(f"full stacks: {stall_dir}/")
+    waited = f"waited {time.monotonic() - start:.0f}s" + (f" (the stack dump {dump_s:.1f}s of it)" if dump_s else "")
+    lines.insert(0, f"{head}; {waited}.")
     lines.append("the supervisor recovers from the last checkpoint when trainer.max_restarts allows; see docs/hangs.md")
     return StallError("\n".join(lines), unresponsive)
 
 
-def dump_stacks(infos: list[dict], timeout_s: float = 20.0) -> list[StackDump]:
-    """`dump_stack` of every worker concurrently (each waits at most its own deadline); a worker on a node Ray
-    already reports dead is not waited for at all."""
+def dump_stacks(infos: list[dict], deadline_s: float = DUMP_DEADLINE_S) -> list[StackDump]:
+    """`dump_stack` of every worker concurrently, all within `deadline_s`; a worker on a node Ray already reports
+    dead is not waited for at all, and one whose dump is not back by the deadline is reported as unreached."""
     dead = _dead_nodes()
 
     def one(info: dict) -> StackDump:
         if info.get("node_id") in dead:
             return StackDump(f"node {info.get('ip')} is dead (Ray reports it lost): no stack of pid {info.get('pid')}",
                              reached=False)
-        return dump_stack(info, timeout_s)
+        return dump_stack(info, deadline_s)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(infos)))) as pool:
-        return list(pool.map(one, infos))
+    pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(infos))), thread_name_prefix="fleetrl-stack-dump")
+    futures = [pool.submit(one, info) for info in infos]
+    wait(futures, timeout=deadline_s + 0.5)
+    # not waiting for stragglers: each bounds itself by deadline_s (py-spy's and ray.get's own timeouts)
+    pool.shutdown(wait=False, cancel_futures=True)
+    return [f.result() if f.done() and not f.cancelled() else _unreached(info, deadline_s)
+            for f, info in zip(futures, infos)]
+
+
+def _unreached(info: dict, deadline_s: float) -> StackDump:
+    return StackDump(f"could not reach node {info.get('ip')} to dump pid {info.get('pid')} within {deadline_s:g}s: the "
+                     f"node itself is unresponsive (frozen, or overloaded)", reached=False)
 
 
 def _dead_nodes() -> set[str]:
@@ -203,7 +233,7 @@ def _dead_nodes() -> set[str]:
         return set()
 
 
-def dump_stack(info: dict, timeout_s: float = 20.0) -> StackDump:
+def dump_stack(info: dict, timeout_s: float = DUMP_DEADLINE_S) -> StackDump:
     """Python stacks of a worker process via py-spy, run on the worker's own node (a Ray task pinned there when it
     is not this node). --nonblocking reads a stopped or hung process without pausing it further."""
     pid = info.get("pid")
@@ -215,7 +245,7 @@ def dump_stack(info: dict, timeout_s: float = 20.0) -> StackDump:
 
     task = ray.remote(_py_spy).options(**pinned_to(info["node_id"]))
     try:
-        return StackDump(ray.get(task.remote(int(pid), timeout_s), timeout=timeout_s + 5))
+        return StackDump(ray.get(task.remote(int(pid), timeout_s), timeout=timeout_s))
     except Exception as e:  # noqa: BLE001 — a frozen node cannot run the task: say so, do not wait
         return StackDump(f"could not reach node {info.get('ip')} to dump pid {pid} ({type(e).__name__}): the node "
                          f"itself is unresponsive", reached=False)
@@ -223,8 +253,8 @@ def dump_stack(info: dict, timeout_s: float = 20.0) -> StackDump:
 
 def _py_spy(pid: int, timeout_s: float) -> str:
     try:
-        out = subprocess.run(["py-spy", "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
-                             timeout=timeout_s)
+        out = subprocess.run([_py_spy_path(), "dump", "--nonblocking", "--pid", str(pid)], capture_output=True,
+                             text=True, timeout=timeout_s)
         return out.stdout or out.stderr
     except FileNotFoundError:
         return "py-spy is not installed (pip install py-spy) — no stack available"
@@ -232,7 +262,47 @@ def _py_spy(pid: int, timeout_s: float) -> str:
         return f"py-spy did not finish within {timeout_s:g}s for pid {pid}"
 
 
-def _top_frames(dump: str, n: int = 3) -> list[str]:
-    """The innermost frames of the first thread in a py-spy dump (lines that start with two spaces)."""
-    frames = [ln.strip() for ln in dump.splitlines() if ln.startswith("    ") and "(" in ln]
-    return frames[:n]
+def _py_spy_path() -> str:
+    """py-spy on PATH, else beside this Python (a virtual environment that was never activated)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else "py-spy")
+
+
+def _top_frames(dump: str, n: int = 3) -> str:
+    """The innermost `n` frames of the thread doing the work in a py-spy dump, with its thread line, joined by " | ".
+
+    A Ray actor runs its methods in threads of their own while the main thread idles in Ray's main loop, so the
+    first thread is the wrong one to show: see `busy_thread`."""
+    thread = busy_thread(_threads(dump))
+    if thread is None:
+        return ""
+    title, frames = thread
+    return " | ".join(frames[:n]) + f" [{title}]"
+
+
+def _threads(dump: str) -> list[tuple[str, list[str]]]:
+    """(thread line, its frames innermost first) of each thread of a py-spy dump."""
+    threads: list[tuple[str, list[str]]] = []
+    for line in dump.splitlines():
+        if line.startswith("Thread "):
+            threads.append((line.strip().rstrip(":"), []))
+        elif threads and line.startswith("    ") and "(" in line:
+            threads[-1][1].append(line.strip())
+    return threads
+
+
+def busy_thread(threads: list[tuple[str, list[str]]]) -> tuple[str, list[str]] | None:
+    """The thread that runs the stuck call: one running an actor method (Ray's `actor_method_executor` frame) other
+    than the watchdog's own `progress` ping; else one py-spy saw on the CPU ("active"); else the first with frames.
+    A SIGSTOPped process shows every thread idle, so the method frame, not py-spy's activity mark, decides."""
+    with_frames = [t for t in threads if t[1]]
+
+    def runs_method(frames: list[str]) -> bool:
+        return (any("actor_method_executor" in f for f in frames)
+                and not any(f.startswith(("_RayWorker.progress ", "Worker.progress ")) for f in frames))
+
+    for pick in (lambda t: runs_method(t[1]), lambda t: "(active" in t[0], lambda t: True):
+        found = [t for t in with_frames if pick(t)]
+        if found:
+            return found[0]
+    return None

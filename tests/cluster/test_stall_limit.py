@@ -80,3 +80,40 @@ def test_a_stall_names_the_nodes_its_dumps_could_not_reach(monkeypatch, tmp_path
     assert str(err).startswith("pool 'far' rank 1 (node 10.0.0.2, pid 11) made no progress for 6s")
     assert (tmp_path / "far_r1.txt").read_text().startswith("could not reach node 10.0.0.2")
     assert watchdog._diagnose([calls[1]], calls, "x", "why", 1.0, None, step=3).unresponsive == {}  # no dumps
+
+
+# py-spy 0.4.3's dump of a SIGSTOPped Ray actor (every thread shows idle), with the watchdog's ping running beside
+_STOPPED_ACTOR = """Process 21884: ray::_RayWorker.timed
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 21884 (idle): "MainThread"
+    Worker.main_loop (ray/_private/worker.py:1069)
+    <module> (ray/_private/workers/default_worker.py:323)
+Thread 21910 (idle): "PythonGCThread"
+    Condition.wait (threading.py:327)
+    PythonGCThread.run (ray/_private/gc_collect_manager.py:29)
+Thread 21952 (idle)
+    Worker.progress (fleetrl/workers/worker.py:62)
+    FunctionActorManager._make_actor_method_executor.<locals>.actor_method_executor (ray/_private/function_manager.py:740)
+Thread 21953 (idle)
+    Engine.decode_step (fleetrl/engines/fast/engine.py:300)
+    Engine.generate (fleetrl/engines/fast/engine.py:250)
+    Worker.timed (fleetrl/workers/worker.py:57)
+    FunctionActorManager._make_actor_method_executor.<locals>.actor_method_executor (ray/_private/function_manager.py:740)
+"""
+
+
+def test_the_top_frames_are_the_stuck_call_s_thread_not_ray_s_main_loop_or_the_ping():
+    from fleetrl.cluster.watchdog import _top_frames
+
+    assert _top_frames(_STOPPED_ACTOR) == ("Engine.decode_step (fleetrl/engines/fast/engine.py:300) | "
+                                           "Engine.generate (fleetrl/engines/fast/engine.py:250) | "
+                                           "Worker.timed (fleetrl/workers/worker.py:57) [Thread 21953 (idle)]")
+
+
+def test_without_a_method_thread_the_active_one_is_shown():
+    from fleetrl.cluster.watchdog import _top_frames
+
+    dump = ('Thread 1 (idle): "MainThread"\n    Worker.main_loop (ray/_private/worker.py:1069)\n'
+            'Thread 2 (active): "t"\n    spin (x.py:3)\n')
+    assert _top_frames(dump) == "spin (x.py:3) [Thread 2 (active): \"t\"]"
