@@ -34,6 +34,7 @@ from fleetrl.config.precision import (
     resolve_precision,
 )
 from fleetrl.config.schema import PoolConfig, RunConfig
+from fleetrl.config.vllm_check import check_vllm
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
 
@@ -253,6 +254,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     check_optimizer_dtype(cfg, [r for r in ("actor", "critic") if r in gpu and not gpu[r]])
     autocast = resolve_precision("actor.autocast", cfg.actor.autocast, gpu["actor"], "off")
     compute_dtype = resolve_compute_dtype(cfg, gpu["rollout"])
+    check_vllm(cfg, gpu["rollout"])
     ref_from_actor = use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"]
     lora_base = _lora_base_dtype(cfg, autocast, colocated=roles["rollout"] == roles["actor"])
     passes, flash_ok = _attention_passes(cfg, autocast, lora_base, recompute=recompute,

@@ -66,9 +66,28 @@ class EnvConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VllmConfig:
+    """rollout.engine=vllm (engines/vllm, docs/engines.md): the real vLLM inside each rollout worker."""
+
+    gpu_memory_utilization: float = 0.5
+    """Share of the GPU vLLM may take for its weights and KV cache (OpenRLHF --vllm_gpu_memory_utilization); leave
+    room for the trainer when colocated. On CPU the KV cache is sized by the Plan's EngineSizes instead."""
+    enable_sleep: bool = False
+    """Colocated on GPUs: vLLM frees its weights and KV cache after each generate and takes them back at the next
+    sync (OpenRLHF --vllm_enable_sleep). vLLM's CPU build has no sleep mode: refused on a CPU pool."""
+    sync_check_tokens: int = 16
+    """After every weight sync, vLLM's and the trainer's log-probs are compared on a probe of this many tokens
+    (0 = no check)."""
+    sync_check_tol: float = 0.05
+    """The largest log-prob gap allowed above the first sync's (the baseline); beyond it the sync is an error."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    engine: Literal["hf", "fast"] = "hf"
-    """Rollout engine: `hf` (transformers generate, the reference) or `fast` (engines/fast)."""
+    engine: Literal["hf", "fast", "vllm"] = "hf"
+    """Rollout engine: `hf` (transformers generate, the reference), `fast` (engines/fast) or `vllm` (the real vLLM,
+    `pip install fleetrl[vllm]`; engines/vllm)."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     n: int = 8
     """Samples per prompt (group size for GRPO-family estimators)."""
     temperature: float = 1.0

@@ -45,6 +45,15 @@ def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer) -> Rollou
         dtype = ctx.plan.rollout_compute_dtype  # rollout.compute_dtype, auto resolved (config/precision.py)
         return FastRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed, max_batch=sizes.max_batch,
                                  max_seq_len=sizes.max_seq_len, compute_dtype=None if dtype == "model" else dtype_of(dtype))
+    if ctx.cfg.rollout.engine == "vllm":
+        from fleetrl.engines.vllm import VLLMRolloutEngine
+
+        v, dtype = ctx.cfg.rollout.vllm, ctx.plan.rollout_compute_dtype
+        return VLLMRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed, max_batch=ctx.plan.rollout.max_batch,
+                                 max_seq_len=ctx.plan.rollout.max_seq_len,
+                                 dtype=None if dtype == "model" else dtype_of(dtype),
+                                 gpu_memory_utilization=v.gpu_memory_utilization, check_tokens=v.sync_check_tokens,
+                                 check_tol=v.sync_check_tol)
     from fleetrl.engines.hf import HFRolloutEngine
 
     # the engine's log-prob pass is chunked like the trainer's, so no B×T×V fp32 logits are built
@@ -60,6 +69,9 @@ class RolloutComponent:
         self.model = model
         with unsharded(model):  # FSDP2: the engine reads (and checks) the whole weights, not the shards
             self.engine = make_engine(ctx, model, self.tokenizer)
+        # vLLM keeps its own copy of the weights: a colocated sync streams the actor's tensors into it (and checks
+        # it); the hf and fast engines read the actor's parameters in place, so only the version moves.
+        self.engine_holds_copy = ctx.cfg.rollout.engine == "vllm"
         self.episodes = None
         if ctx.cfg.rollout.env is not None:  # multi-turn: the environment plays against the engine
             from fleetrl.workers.episodes import EpisodeRunner
@@ -87,6 +99,8 @@ class RolloutComponent:
                 out = Batch({"responses": gen.responses.cpu(), "response_mask": gen.response_mask.long().cpu(),
                              "rollout_logprobs": gen.logprobs.float().cpu()},
                             {"finish_reason": list(gen.finish_reasons)})
+        if self.engine_holds_copy and self.ctx.cfg.rollout.vllm.enable_sleep:
+            self.engine.sleep()  # frees vLLM's GPU memory for the update; the next sync or generate wakes it
         # The version that actually generated each sample: what staleness is measured from (docs/async.md).
         out.tensors["weights_version"] = torch.full((len(out),), self.engine.weights_version, dtype=torch.long)
         timing = out.meta.setdefault("timing", {})
@@ -106,3 +120,11 @@ class RolloutComponent:
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.engine.load_weights(state, version)
+
+    def mark_version(self, version: int) -> None:
+        """Colocated sync: the actor's parameters are the new weights."""
+        if not self.engine_holds_copy:
+            self.engine.weights_version = version
+            return
+        with unsharded(self.model):  # FSDP2: vLLM takes whole tensors
+            self.engine.sync(version)

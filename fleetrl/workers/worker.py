@@ -198,8 +198,9 @@ class Worker:
         return self.local
 
     def mark_weights_version(self, version: int) -> None:
-        """Colocated rollout: the engine already reads the actor's parameters; only the version moves."""
-        self._need("rollout").engine.weights_version = version
+        """Colocated rollout: the engine reads the actor's parameters (only the version moves), or, for vLLM, takes
+        a copy of them (workers/rollout.py `mark_version`)."""
+        self._need("rollout").mark_version(version)
 
     # ------------------------------------------------------ weight bus (separate rollout pool)
     def bus_join(self, host: str, port: int, bus_rank: int, size: int, timeout_s: float) -> None:
