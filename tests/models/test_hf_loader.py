@@ -60,6 +60,27 @@ def test_saved_folder_loads(tmp_path):
     assert tok.pad_token_id == 0 and tok.padding_side == "left"
 
 
+def _mapped_paths() -> set[str]:
+    return {line.split(maxsplit=5)[5].strip() for line in Path("/proc/self/maps").read_text().splitlines()
+            if len(line.split(maxsplit=5)) == 6}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_a_cpu_load_keeps_no_mapping_of_the_checkpoint_file(tmp_path):
+    """Our contract: once loaded on the CPU, the model's tensors own their memory, so the checkpoint file is not
+    mapped into the process (a mapping keeps every page ever read resident, bench/RESULTS.md "RSS over a whole
+    run"); the tied head stays tied and the weights are the saved ones."""
+    tied = build_tiny_model(build_tiny_tokenizer(), seed=3)
+    tied.config.tie_word_embeddings = True
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    tied.save_pretrained(tmp_path)
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    model = load_causal_lm(str(tmp_path))
+    assert not {p for p in _mapped_paths() if p.startswith(str(tmp_path))}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert _same_weights(model, tied)
+
+
 def test_missing_pad_token_falls_back_to_eos(tmp_path):
     tok = build_tiny_tokenizer()
     tok.pad_token = None
