@@ -257,8 +257,9 @@ def run_trl(args: argparse.Namespace, result: dict[str, Any]) -> None:
                                    "grad_norm": logs.get("grad_norm")})
 
     clock = Clock()
+    optimizer = guarded_adamw(model, config, fused=cuda) if args.nonfinite_guard else None
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[clock])
+                          processing_class=tokenizer, callbacks=[clock], optimizers=(optimizer, None))
     try:
         trainer.train()
     except Exception as err:  # noqa: BLE001 - a run that dies mid-way is a result too: keep its curve, say why
@@ -268,6 +269,8 @@ def run_trl(args: argparse.Namespace, result: dict[str, Any]) -> None:
             result["error"] += f" (first non-finite grad_norm at step {bad['step']})"
     result["wall_s"] = time.perf_counter() - t0
     result["steps"] = clock.steps
+    result["nonfinite_guard"] = bool(args.nonfinite_guard)
+    result["skipped_updates"] = optimizer.skipped if optimizer is not None else None
     result["grpo_config"] = {k: str(getattr(config, k)) for k in (
         "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "num_generations",
         "loss_type", "scale_rewards", "beta", "epsilon", "bf16", "optim", "use_vllm")}
@@ -275,6 +278,28 @@ def run_trl(args: argparse.Namespace, result: dict[str, Any]) -> None:
         result["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if "error" not in result:  # after a device-side assert the CUDA context is gone
         result["eval_after"] = evaluate(trainer.model, tokenizer, val_rows(args), HP["max_new_tokens"])
+
+
+def guarded_adamw(model: torch.nn.Module, config: Any, *, fused: bool) -> torch.optim.AdamW:
+    """TRL's optimiser (AdamW with the GRPOConfig's lr, betas, eps and weight decay) under fleetrl's rule
+    `trainer.on_nonfinite: skip` (engines/training.py): an update whose gradients hold a NaN or inf is not applied.
+    Why: without it TRL applies a NaN gradient and its weights turn NaN (five of six runs in the first two rounds),
+    so it never reaches a final accuracy to race against. Both sides then play by the same rule; `skipped` counts."""
+
+    class SkipNonfinite(torch.optim.AdamW):
+        skipped = 0
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:  # noqa: ANN401 - torch's own signature
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if grads and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()):
+                SkipNonfinite.skipped += 1
+                return None
+            return super().step(closure)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return SkipNonfinite(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                         eps=config.adam_epsilon, weight_decay=config.weight_decay, fused=fused)
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -316,8 +341,17 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "first_step_s": r["steps"][0]["elapsed_s"] if r["steps"] else None,
                      "acc_before": r["eval_before"], "acc_after": r.get("eval_after"), "error": r.get("error"),
                      "reach_trl_final_s": reach, "peak_gpu_gib": r.get("peak_gpu_gib"),
-                     "reach_trl_best_reward_s": first_reach(r, best) if best is not None else None})
+                     "reach_trl_best_reward_s": first_reach(r, best) if best is not None else None,
+                     "skipped": skipped_updates(r)})
     return rows
+
+
+def skipped_updates(r: dict[str, Any]) -> int | None:
+    """Updates not applied for a non-finite gradient: fleetrl's own count (train/actor/skipped_updates per step),
+    TRL's from the guarded optimiser; None for a TRL run without the guard (rounds 1 and 2)."""
+    if r["framework"] == "trl":
+        return r.get("skipped_updates")
+    return int(sum(rec.get("train/actor/skipped_updates", 0) for rec in r.get("records", [])))
 
 
 def markdown(rows: list[dict[str, Any]], target: float | None, best: float | None = None) -> str:
@@ -331,14 +365,14 @@ def markdown(rows: list[dict[str, Any]], target: float | None, best: float | Non
 
     lines = ["| run | seed | steps | s/step (median) | first step done at (s) | wall-clock (s) | held-out acc before "
              "| held-out acc after [95% Wilson] | time to TRL's final acc (s) | time to TRL's best train reward (s) "
-             "| peak GPU GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak GPU GiB | updates skipped (non-finite) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         reach = "-" if r["framework"] == "trl" else num(r["reach_trl_final_s"], ".0f").replace("-", "not reached")
         after = acc(r["acc_after"]) if not r["error"] else f"failed: {r['error']}"
         lines.append(f"| {r['run']} | {r['seed']} | {r['steps']} | {num(r['s_per_step'], '.3f')} | "
                      f"{num(r['first_step_s'], '.1f')} | {r['wall_s']:.0f} | {acc(r['acc_before'])} | {after} | "
-                     f"{reach} | {num(r['reach_trl_best_reward_s'], '.0f')} | {num(r['peak_gpu_gib'], '.2f')} |")
+                     f"{reach} | {num(r['reach_trl_best_reward_s'], '.0f')} | {num(r['peak_gpu_gib'], '.2f')} | {num(r['skipped'], 'd')} |")
     if target is not None:
         lines.append(f"\nTRL's final held-out accuracy (mean of its finished seeds): {target:.3f}")
     if best is not None:
@@ -448,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--data", type=Path, default=Path("data/race"))
     r.add_argument("--val-rows", type=int, default=None, help="the first N held-out rows only (a CPU smoke run)")
     r.add_argument("--runs", type=Path, default=None, help="fleetrl's run directory goes here (default: --out)")
+    r.add_argument("--no-nonfinite-guard", dest="nonfinite_guard", action="store_false",
+                   help="TRL: apply an update whose gradients hold NaN/inf, as TRL does by default (rounds 1 and 2)")
     r.add_argument("--tag", default="", help="suffix of the result file: a variant of a side, e.g. _nocompile")
     r.add_argument("--set", nargs="*", default=[], help="fleetrl: extra config overrides of a variant")
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")) / "race")

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fleetrl.config import load_config
 
@@ -106,3 +107,21 @@ def test_the_stamper_reads_each_record_once_even_when_caught_mid_line(tmp_path):
     stamper.join(timeout=5)
     assert [r["step"] for r in stamper.records] == [1, 2]
     assert stamper.records[0]["elapsed_s"] < stamper.records[1]["elapsed_s"]
+
+
+def test_trls_guarded_optimiser_skips_a_nonfinite_update_and_applies_a_finite_one():
+    """fleetrl's on_nonfinite=skip rule given to TRL's AdamW. First AdamW step, bias-corrected, no weight decay:
+    p - lr * g / (|g| + eps) = 1 - 0.1 * 2 / 2 = 0.9 (to ~1e-9)."""
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    config = SimpleNamespace(learning_rate=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)
+    opt = race_trl.guarded_adamw(model, config, fused=False)
+    model.weight.grad = torch.tensor([[float("nan")]])
+    opt.step()
+    assert model.weight.item() == 1.0 and opt.skipped == 1
+    model.weight.grad = torch.tensor([[2.0]])
+    opt.step()
+    assert model.weight.item() == pytest.approx(0.9, abs=1e-6) and opt.skipped == 1
