@@ -86,4 +86,7 @@ def assemble(groups: list[Group], finished: dict[int, Any], stop_ids: Sequence[i
     for i, (ids, logp) in enumerate(rows):
         tok[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         lp[i, :len(logp)] = torch.tensor(logp, dtype=torch.float32)
-    return assemble_output(tok, lp, counts, set(stop_ids), stop_strings, tokenizer, torch.device("cpu"))
+    out = assemble_output(tok, lp, counts, set(stop_ids), stop_strings, tokenizer, torch.device("cpu"))
+    # pad ids after the end, as the hf reference engine writes them (the fast engine's helper writes 0)
+    out.responses = out.responses.masked_fill(out.response_mask == 0, tokenizer.pad_token_id)
+    return out
