@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 
 import ray
 
+from fleetrl.cluster import reaper
 from fleetrl.config.schema import ClusterConfig
 
 log = logging.getLogger("fleetrl.cluster")
@@ -26,12 +28,35 @@ def ensure_ray(cfg: ClusterConfig) -> bool:
         kwargs.update(_isolation_from_env())
         # address="local" so a stale cluster file from another run can't make us join the wrong cluster.
         ray.init(address="local", num_cpus=cfg.num_cpus or os.cpu_count(), **kwargs)
+        start_reaper()
         log.info("started a local Ray cluster")
     else:
         kwargs.pop("include_dashboard")
         ray.init(address=cfg.address, **kwargs)
         log.info("joined Ray cluster at %s", cfg.address)
     return True
+
+
+def start_reaper() -> None:
+    """Starts the reaper (cluster/reaper.py) of the local Ray this process just started: were this driver killed,
+    the raylet's agents would outlive it. A reaper that cannot start costs a warning, never the run."""
+    node = ray._private.worker._global_node  # noqa: SLF001 — the processes ray.init started, with their PIDs
+    started = [(p.process.pid, reaper.start_ticks(p.process.pid)) for infos in node.all_processes.values()
+               for p in infos]
+    known = {pid: ticks for pid, ticks in started if ticks is not None}
+    raylet = node.all_processes["raylet"][0].process.pid
+    me = os.getpid()
+    if raylet not in known or reaper.start_ticks(me) is None:
+        log.warning("no reaper for the local Ray: its raylet (pid %s) already exited", raylet)
+        return
+    cmd = reaper.command((me, reaper.start_ticks(me)), (raylet, known[raylet]),
+                         ray.get_runtime_context().get_node_id(), list(known.items()))
+    try:  # returns at once: the reaper detaches (forks) and its first process exits
+        subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not start the reaper of the local Ray (%s); if this driver is killed, its Ray's "
+                    "DashboardAgent and RuntimeEnvAgent may outlive it", e)
 
 
 def _isolation_from_env() -> dict:
