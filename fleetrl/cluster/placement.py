@@ -157,17 +157,51 @@ def _fmt(res: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in res.items()) + "}"
 
 
-def create_pool_group(pool: PoolPlan, timeout_s: float) -> PlacementGroup:
+def create_pool_group(pool: PoolPlan, timeout_s: float, poll_s: float = 1.0) -> PlacementGroup:
+    """The pool's placement group once Ray placed it; PlacementError after timeout_s, or as soon as the alive nodes
+    could not hold the pool even if idle (see `_unplaceable`)."""
     bundles = [node_bundle(pool) for _ in range(pool.nodes)]
     strategy = "STRICT_SPREAD" if pool.nodes > 1 else "STRICT_PACK"
     pg = placement_group(bundles, strategy=strategy, name=f"fleetrl-{pool.name}-{time.time_ns()}")
+    deadline = time.monotonic() + timeout_s
+    placed = pg.ready()  # once: each call starts a task in the group
+    while True:
+        ready, _ = ray.wait([placed], timeout=max(0.0, min(poll_s, deadline - time.monotonic())))
+        if ready:
+            ray.get(placed)
+            return pg
+        short = _unplaceable(pool)
+        if short is not None or time.monotonic() >= deadline:
+            remove_placement_group(pg)  # a group left pending holds up every later one: Ray places them in turn
+            break
+    if short is not None:
+        why, detail = short
+        raise PlacementError(f"placement group for pool '{pool.name}' ({pool.nodes} node(s) × "
+                             f"{_fmt(node_bundle(pool))}, {strategy}) cannot be placed: {why}; not waiting out "
+                             f"cluster.placement_timeout_s={timeout_s:g}. Fix: configure cluster.fallback_pools, start "
+                             f"a replacement node (`fleetrl cluster up --address HEAD:PORT`), or shrink the pool.\n"
+                             f"{detail}")
+    raise PlacementError(
+        f"placement group for pool '{pool.name}' ({pool.nodes} node(s) × {_fmt(node_bundle(pool))}, "
+        f"{strategy}) was not ready after {timeout_s:g}s. Other jobs may hold the resources, or nodes left.\n"
+        f"{describe_nodes(cluster_nodes())}\nFix: free resources, shrink the pool, or raise "
+        f"cluster.placement_timeout_s")
+
+
+def _unplaceable(pool: PoolPlan) -> tuple[str, str] | None:
+    """(why, check_feasible's detail) when the alive nodes cannot hold the pool even once idle, else None.
+
+    Asked while the group waits because a restart may place the plan while Ray still counts a lost node alive (Ray
+    takes about 15 s to declare a killed host dead). Without it the group waited all of cluster.placement_timeout_s
+    for a node Ray had already declared dead before the fallback placement could run (issue 41)."""
     try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise PlacementError(
-            f"placement group for pool '{pool.name}' ({pool.nodes} node(s) × {_fmt(node_bundle(pool))}, "
-            f"{strategy}) was not ready after {timeout_s:g}s. Other jobs may hold the resources, or nodes left.\n"
-            f"{describe_nodes(cluster_nodes())}\nFix: free resources, shrink the pool, or raise "
-            f"cluster.placement_timeout_s") from None
-    return pg
+        alive, dead = cluster_nodes(), sorted({n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive")})
+    except Exception:  # noqa: BLE001 — no node table this time: keep waiting, the deadline still holds
+        return None
+    idle = [NodeResources(n.node_id, n.ip, n.total, dict(n.total)) for n in alive]
+    try:
+        check_feasible([pool], idle)
+        return None
+    except PlacementError as e:
+        lost = f"Ray reports node(s) {', '.join(dead)} dead, and " if dead else ""
+        return f"{lost}the alive nodes cannot hold it even when idle", str(e)

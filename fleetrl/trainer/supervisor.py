@@ -45,6 +45,7 @@ class Supervisor:
                 if retryable and isinstance(e, PlacementError) and self._fall_back(max(self.last_step, trainer.step)):
                     # Ray had not yet declared the lost node dead when this rebuild was placed: the fallback
                     # placement is part of the same recovery, not another restart.
+                    log.warning("%s\n-> using cluster.fallback_pools", e)
                     trainer.shutdown()
                     continue
                 if not retryable or self.restarts >= self.plan.config.trainer.max_restarts:
