@@ -95,3 +95,16 @@ def test_bad_input_names_the_field(setup):
         engine.generate(ids, mask, SamplingParams(max_new_tokens=4, max_new_tokens_per_sample=torch.tensor([1, 9, 2])))
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate(ids, torch.zeros_like(mask), SamplingParams())
+
+
+def test_every_row_draws_its_own_noise_across_requests(setup):
+    # One prompt in two requests (rows 0-3 limited to 6 tokens, rows 4-7 to 5): vLLM seeds a request's k-th sample
+    # with its seed + k, so requests seeded 0, 1, ... would give row 4 row 1's noise and the same 5 tokens.
+    _, tok, engine, _ = setup
+    ids, mask = prompts(tok, TEXTS[:1])
+    ids, mask = ids.repeat(8, 1), mask.repeat(8, 1)
+    limits = torch.tensor([6] * 4 + [5] * 4)
+    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3,
+                                                    max_new_tokens_per_sample=limits))
+    heads = [tuple(out.responses[r, :5].tolist()) for r in range(8)]
+    assert len(set(heads)) == 8, heads

@@ -15,7 +15,11 @@ import torch
 from fleetrl.engines.fast.postprocess import assemble_output
 from fleetrl.engines.protocol import GenerationOutput, SamplingParams
 
-SEED_STRIDE = 1_000_003  # request r of a call seeded s draws from s * STRIDE + r: distinct, reproducible streams
+# Row r of a call seeded s samples from seed s * STRIDE + r. vLLM seeds the k-th sample of a request seeded q with
+# q + k, so a group's request is seeded by its FIRST ROW: then every row has its own stream. (Seeding requests 0, 1,
+# 2, ... gave request 1 the stream of request 0's second sample: neighbouring prompts drew the same noise, and the
+# copy task learned half as fast.)
+SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,12 @@ def filters_tokens(params: SamplingParams) -> bool:
 
 
 def vllm_params(make: Callable[..., Any], params: SamplingParams, group: Group, stop_ids: Sequence[int],
-                seed: int, index: int) -> Any:
+                seed: int) -> Any:
     """vLLM SamplingParams for one group. `ignore_eos` with our stop ids listed: the stop tokens are exactly the
     ones fleetrl's other engines stop at (tokenizer EOS + generation-config EOS + the call's), not vLLM's own choice."""
     return make(n=group.n, max_tokens=group.limit, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k if params.top_k > 0 else -1, stop_token_ids=list(stop_ids), ignore_eos=True,
-                stop=list(params.stop_strings) or None, seed=(seed * SEED_STRIDE + index) % 2**63,
+                stop=list(params.stop_strings) or None, seed=(seed * SEED_STRIDE + group.first) % 2**63,
                 logprobs=0, skip_special_tokens=False)
 
 

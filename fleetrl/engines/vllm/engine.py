@@ -77,7 +77,7 @@ class VLLMRolloutEngine:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._generator))
         stop_ids = self.stop_token_ids(params)
         make = _final_only_params()
-        requests = [(g.prompt, convert.vllm_params(make, params, g, stop_ids, seed, i)) for i, g in enumerate(groups)]
+        requests = [(g.prompt, convert.vllm_params(make, params, g, stop_ids, seed)) for g in groups]
         out = convert.assemble(groups, self._run(requests), stop_ids, params.stop_strings, self.tokenizer)
         if convert.filters_tokens(params):
             out.logprobs = self._unfiltered_logprobs(prompts, prompt_mask, out, params.temperature)
