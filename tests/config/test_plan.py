@@ -29,15 +29,15 @@ def test_seed_formulas_are_fixed():
 
 
 def test_rollout_engine_sizes():
-    # 8 prompts × 4 = 32 samples over 2 rollout workers = 16 each; validation: max(2 workers, 8 prompts) = 8
-    # prompts × val_n 5 = 40 samples -> 20 per worker, which is the larger.
+    # 8 prompts × 4 = 32 samples over 2 rollout workers = 16 each; validation: max(2 workers, 8 prompts,
+    # 32 samples // val_n 5 = 6) = 8 prompts × val_n 5 = 40 samples -> 20 per worker, which is the larger.
     p = _plan("data.prompts_per_step=8", "rollout.n=4", "rollout.val_n=5", "cluster.pools.main.workers_per_node=2",
               "data.max_prompt_length=32", "rollout.max_new_tokens=4")
     assert p.rollout == EngineSizes(max_batch=20, max_seq_len=32 + 4)
     assert p.val_batch_prompts == 8
-    # val_n 1: 8 validation samples -> 4 per worker < 16 training samples per worker.
+    # val_n 1: a validation call takes max(2, 8, 32 // 1) = 32 prompts, 16 per worker = the training samples per worker.
     p = _plan("data.prompts_per_step=8", "rollout.n=4", "cluster.pools.main.workers_per_node=2")
-    assert p.rollout.max_batch == 16
+    assert p.rollout.max_batch == 16 and p.val_batch_prompts == 32
     # 6 prompts × val_n 5 = 30 validation samples over 2 workers = 15 each > 6 × 4 / 2 = 12 training samples.
     p = _plan("data.prompts_per_step=6", "rollout.n=4", "rollout.val_n=5", "cluster.pools.main.workers_per_node=2")
     assert p.rollout.max_batch == 15
