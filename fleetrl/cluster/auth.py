@@ -31,6 +31,10 @@ class TokenMissingError(UserError, RuntimeError):
     """Raised when a node that must join a token-protected cluster has no token."""
 
 
+class TokenRejectedError(UserError, RuntimeError):
+    """The head refused the token this node or driver holds (or that it holds none)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterToken:
     value: str
@@ -127,3 +131,54 @@ def _read(path: Path, origin: str) -> ClusterToken:
     if not value:
         raise TokenMissingError(f"the cluster auth token file {path} ({origin}) is empty")
     return ClusterToken(value, path, origin)
+
+
+# Ray answers a wrong or missing token only after its own connection retries (a worker's `ray start`: 23 s and
+# InvalidAuthToken on line 25 of 26; a driver: a 95-line ConnectionError after 26 s that never names the token).
+# One unary call to the GCS answers UNAUTHENTICATED in milliseconds.
+CHECK_TIMEOUT_S = 5.0
+
+
+def head_requires(address: str, token: ClusterToken | None, timeout_s: float = CHECK_TIMEOUT_S) -> bool | None:
+    """Whether the GCS at HOST:PORT accepts a call carrying `token` (None: no token at all): True when it answers,
+    False when it refuses it as unauthenticated, None when it cannot be asked (unreachable, TLS, too slow), which
+    is left to Ray's own connection and its errors."""
+    import grpc  # deferred, as ray itself: most commands never connect
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    metadata = [("authorization", f"Bearer {token.value}")] if token is not None else []
+    with grpc.insecure_channel(address) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+            return True
+        except grpc.RpcError as e:
+            return False if e.code() == grpc.StatusCode.UNAUTHENTICATED else None
+
+
+def check_token(address: str, token: ClusterToken | None, timeout_s: float = CHECK_TIMEOUT_S) -> bool:
+    """Returns whether the cluster at `address` (HOST:PORT of its GCS) wants a token (then `token` is the right
+    one); TokenRejectedError, one line naming the token and the fix, when `token` is missing or wrong."""
+    if head_requires(address, None, timeout_s) is not False:
+        return False  # no token needed, or the head cannot be asked: Ray's own connection decides
+    if token is None:
+        raise TokenRejectedError(
+            f"the Ray cluster at {address} requires an auth token, and none was found here (looked at "
+            f"{TOKEN_ENV}, {TOKEN_PATH_ENV} and {default_token_path()}). Fix: give this process the head's token: "
+            f"{TOKEN_PATH_ENV}=FILE or --token-file FILE (the file the head was started with), or {TOKEN_ENV}=<token>")
+    if head_requires(address, token, timeout_s) is False:
+        raise TokenRejectedError(
+            f"the Ray cluster at {address} refused the auth token {token.masked} from {token.origin}: it is not the "
+            f"head's token (the head printed the first 4 characters of its own when it started; `fleetrl cluster "
+            f"status` on the head shows them). Fix: use the head's token file (--token-file FILE or "
+            f"{TOKEN_PATH_ENV}=FILE) or {TOKEN_ENV}=<token>")
+    return True
+
+
+def reload_ray_auth() -> None:
+    """Makes an imported Ray read the auth variables again: token mode is read from the environment when Ray's
+    config is built (the same refresh Ray does when it enables auth itself)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()

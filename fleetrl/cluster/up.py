@@ -92,6 +92,8 @@ def cluster_up(opts: UpOptions, *, env: Mapping[str, str] = os.environ, console:
              else auth.find_token(env, opts.token_file))  # a worker without a token fails here, before waiting
     if not decision.is_head:
         wait_for_port(decision.head_host, decision.port, timeout_s=opts.join_timeout_s, console=console)
+        # a wrong token: one line now, not `ray start` failing after 23 s with the reason on line 25 of its log
+        auth.check_token(f"{decision.head_host}:{decision.port}", token)
     node_ip = opts.node_ip or detect_node_ip(decision.head_host)
     extra_env = netenv.network_env(opts.net_profile, netenv.parse_overrides(opts.env), node_ip=node_ip)
     if "GLOO_SOCKET_IFNAME" not in extra_env:
@@ -182,16 +184,10 @@ def connected(address: str, token: auth.ClusterToken | None) -> Iterator:
     if token is not None:
         auth.apply_token_env(os.environ, token)
     import ray  # deferred: importing ray costs ~1 s, and most commands never connect
-    from ray._raylet import AuthenticationTokenLoader, Config
 
-    def _refresh() -> None:
-        # Token mode is read from the environment when Ray's config is built; rebuild it in case ray was
-        # imported before the variables changed (the same refresh Ray does when it enables auth itself).
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
-
-    _refresh()
+    auth.reload_ray_auth()  # in case ray was imported before the variables changed
     try:
+        auth.check_token(address, token)  # a wrong token: one line within seconds, not Ray's retries
         ray.init(address=address, log_to_driver=False, logging_level="WARNING", configure_logging=False)
         yield ray
     finally:
@@ -201,7 +197,7 @@ def connected(address: str, token: auth.ClusterToken | None) -> Iterator:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        _refresh()
+        auth.reload_ray_auth()
 
 
 @dataclass(frozen=True, kw_only=True)
