@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,7 @@ def head():
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _one_error_line(done: subprocess.CompletedProcess) -> str:
