@@ -48,7 +48,7 @@ def test_frozen_config_and_plan_pickle_to_workers(plan):
 
 
 @pytest.mark.parametrize("key,value,listed", [
-    ("rollout.engine", "fsat", "did you mean 'fast'? (choose from: hf, fast)"),
+    ("rollout.engine", "fsat", "did you mean 'fast'? (choose from: hf, fast, vllm)"),
     ("trainer.on_nonfinite", "ignore", "(choose from: skip, abort)"),
     ("actor.optim.schedule", "cosin", "did you mean 'cosine'?"),
     ("cluster.backend", "slurm", "(choose from: ray, local)"),
