@@ -39,7 +39,7 @@ from fleetrl.config.vllm_check import check_vllm
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
 
 
-SeedPurpose = Literal["worker", "engine", "generate", "validate", "sampler"]
+SeedPurpose = Literal["worker", "engine", "generate", "validate", "sampler", "sync_check"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +135,10 @@ class Plan:
     rollout_compute_dtype: str = "model"
     """rollout.compute_dtype with `auto` resolved (config/precision.py): model or a dtype name; always `model` for
     the hf engine, which decodes in model.dtype."""
+    sync_check: bool = False
+    """The policy check runs after every sync (rollout.sync_check, engines/sync_check.py): tokens > 0, a synchronous
+    run (async engines install weights inside their generate calls) and the hf or fast engine (vLLM checks its own
+    syncs, engines/vllm/check.py)."""
     flash_attention_ok: bool = False
     """Every pass of the actor's own forward (the update; the old log-prob recompute where it runs) feeds attention
     fp16/bf16 q/k/v, which FlashAttention kernels need (they have no fp32): actor.packed_attention=auto picks the
@@ -163,6 +167,8 @@ class Plan:
             return (s + 7) * 1009 + rank
         if purpose == "sampler":  # the prompt sampler's shuffle
             return s
+        if purpose == "sync_check":  # the policy check's probe after the sync to weights version `step`
+            return ((s + 13) * 100_003 + step) * 1009 + rank
         raise ValueError(f"unknown seed purpose {purpose!r}")
 
     def summary(self) -> dict:
@@ -277,7 +283,8 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 val_batch_prompts=val_prompts, pipeline=pipeline,
                 action_mask="loss_mask" if cfg.rollout.env else "response_mask",
                 ref_from_actor=ref_from_actor, lora_base_dtype=lora_base,
-                actor_autocast=autocast, rollout_compute_dtype=compute_dtype, flash_attention_ok=flash_ok)
+                actor_autocast=autocast, rollout_compute_dtype=compute_dtype, flash_attention_ok=flash_ok,
+                sync_check=(cfg.rollout.sync_check.tokens > 0 and pipeline is None and cfg.rollout.engine != "vllm"))
 
 
 def _attention_passes(cfg: RunConfig, autocast: str, lora_base: str | None, *, recompute: bool,

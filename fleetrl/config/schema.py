@@ -83,11 +83,32 @@ class VllmConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SyncCheckConfig:
+    """rollout.sync_check (engines/sync_check.py, docs/engines.md): after every weight sync the rollout engine samples
+    a few tokens and the trainer scores them; a log-prob gap beyond the threshold means the engine does not hold the
+    trained weights. The hf and fast engines; rollout.engine=vllm has its own check (rollout.vllm.sync_check_*)."""
+
+    tokens: int = 8
+    """New tokens each probe sequence samples (0 = no check)."""
+    sequences: int = 2
+    """Probe sequences per rollout worker and sync."""
+    threshold: float = 0.05
+    """The largest |engine - trainer| log-prob allowed over the probe's tokens: above the run's own baseline (the gap
+    of its first check, before any update, or at resume) with mode=baseline, or as it is with mode=absolute."""
+    mode: Literal["baseline", "absolute"] = "baseline"
+    on_mismatch: Literal["error", "restart"] = "error"
+    """error: stop the run naming the sync, the weights version and the gap. restart: rebuild the groups and resume
+    from the last checkpoint (counts against trainer.max_restarts), as after a lost worker."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     engine: Literal["hf", "fast", "vllm"] = "hf"
     """Rollout engine: `hf` (transformers generate, the reference), `fast` (engines/fast) or `vllm` (the real vLLM,
     `pip install fleetrl[vllm]`; engines/vllm)."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    sync_check: SyncCheckConfig = field(default_factory=SyncCheckConfig)
+    """The policy check after every weight sync (hf and fast engines)."""
     n: int = 8
     """Samples per prompt (group size for GRPO-family estimators)."""
     temperature: float = 1.0
