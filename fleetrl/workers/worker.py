@@ -20,10 +20,12 @@ import torch.distributed as dist
 from fleetrl import heartbeat
 from fleetrl.batch import Batch
 from fleetrl.cachedir import use_node_compile_cache
+from fleetrl.engines.sync_check import SyncProbe
 from fleetrl.engines.training import DistInfo
 from fleetrl.netif import socket_ifname_env
 from fleetrl.workers.context import WorkerContext
 from fleetrl.workers.memory import bound_onednn_caches, memory_peaks
+from fleetrl.workers.sync_faults import drop_skipped
 from fleetrl.workers.messages import (
     GenerateRequest,
     PrepareReport,
@@ -184,11 +186,13 @@ class Worker:
     def prepare_local(self, req: PrepareRequest) -> PrepareReport:
         return self._local().prepare(req)
 
+    # No _with_memory here: LocalStep.update goes through update_actor/update_critic, which add the peaks. Read a
+    # second time, the peak would be the RSS just after the update (the first read reset it).
     def update_actor_local(self, spec: UpdateSpec) -> UpdateMetrics:
-        return self._with_memory(self._local().update("actor", spec))
+        return self._local().update("actor", spec)
 
     def update_critic_local(self, spec: UpdateSpec) -> UpdateMetrics:
-        return self._with_memory(self._local().update("critic", spec))
+        return self._local().update("critic", spec)
 
     def _local(self) -> "LocalStep":
         if self.local is None:
@@ -201,6 +205,19 @@ class Worker:
         """Colocated rollout: the engine reads the actor's parameters (only the version moves), or, for vLLM, takes
         a copy of them (workers/rollout.py `mark_version`)."""
         self._need("rollout").mark_version(version)
+
+    # ------------------------------------------------------ policy check after a sync (engines/sync_check.py)
+    def check_sync(self, version: int) -> float:
+        """Colocated: this rank's engine samples the probe and its actor scores it; the gap is all that leaves."""
+        return self._need("actor").probe_gaps([self._need("rollout").probe(version)])[0]
+
+    def sync_probe(self, version: int) -> SyncProbe:
+        """Separate rollout pool: the engine's side of the check, handed to the actor's ranks by reference."""
+        return self._need("rollout").probe(version)
+
+    def probe_gaps(self, probes: list[SyncProbe]) -> list[float]:
+        """The actor's side: the gap of each rollout worker's probe (every rank runs it: FSDP2 gathers)."""
+        return self._need("actor").probe_gaps(probes)
 
     # ------------------------------------------------------ weight bus (separate rollout pool)
     def bus_join(self, host: str, port: int, bus_rank: int, size: int, timeout_s: float) -> None:
@@ -235,6 +252,7 @@ class Worker:
     def install_weights(self, received: dict[str, torch.Tensor], version: int) -> None:
         """Loads `sync_state`'s tensors (from the bus or the object store) into the rollout engine."""
         rollout = self._need("rollout")
+        received = drop_skipped(received)  # FLEETRL_FAULT_SYNC_SKIP (workers/sync_faults.py); else a no-op
         if self.ctx.cfg.actor.lora is not None:  # only the adapted projections travelled; engines take whole state
             received = {**rollout.engine_model().state_dict(), **received}  # dicts: the rest is the engine's own
         rollout.load_weights(received, version)
