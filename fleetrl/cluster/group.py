@@ -61,6 +61,15 @@ class _RayWorker(Worker):
                 self.install_weights(ray.get(weights[0]), version)
         return self.weights_version()
 
+    # -------------------------------------------- policy check across pools (cluster/weight_sync.py probe_gaps)
+    def put_sync_probe(self, version: int) -> list[Any]:
+        """[ObjectRef] of this rollout worker's probe after the sync to `version` (the list keeps Ray from resolving
+        it in the driver, which only hands it on)."""
+        return [ray.put(self.sync_probe(version))]
+
+    def score_published_probes(self, probes: list[Any]) -> list[float]:
+        return self.probe_gaps(ray.get(probes))
+
     def generate_at(self, weights: list[Any], version: int, batch: Batch, req: GenerateRequest) -> Batch:
         """One async generate call, preceded by the load of the weights it is tagged with. The load rides in the
         call because Ray runs a concurrency group's calls one at a time but not in submission order (a call

@@ -15,6 +15,7 @@ from fleetrl.cluster.placement import NodeResources, PlacementError, check_feasi
 from fleetrl.cluster.watchdog import StallError
 from fleetrl.cluster.weight_sync import WeightSyncError
 from fleetrl.config.plan import Plan, PoolPlan, fallback_plan
+from fleetrl.engines.sync_check import SyncCheckError
 from fleetrl.rewards.remote import RewardServerLostError
 
 log = logging.getLogger("fleetrl.cluster")
@@ -32,6 +33,8 @@ def is_recoverable(exc: BaseException) -> bool:
     """Lost processes, nodes, placement or a collective broken by a dead peer; not bugs or bad input."""
     if isinstance(exc, _RECOVERABLE):
         return True
+    if isinstance(exc, SyncCheckError):  # rollout.sync_check.on_mismatch=restart: resume from the last checkpoint
+        return exc.restart
     if isinstance(exc, ray.exceptions.RayTaskError):
         text = str(exc)
         # A surviving rank's collective fails when its peer died (gloo: connection reset / closed; NCCL: abort).

@@ -47,3 +47,19 @@ def broadcast_weights(actor: WorkerGroup, rollout: WorkerGroup, version: int, ti
     except ray.exceptions.RayTaskError as e:
         raise WeightSyncError(f"weight broadcast v{version} failed: {e.cause if hasattr(e, 'cause') else e}") from e
     return int(sent[0])
+
+
+def probe_gaps(actor: WorkerGroup, rollout: WorkerGroup, version: int, timeout_s: float, *,
+               first: bool = False) -> list[float]:
+    """The policy check across pools (engines/sync_check.py): each rollout worker samples its probe and keeps it in
+    its own object store; every actor rank scores all of them (sharded ranks gather together) and rank 0's gaps come
+    back, one per rollout worker. The driver holds only the probes' references. first: the run's first check (an
+    engine's first generate may compile), which gets cluster.first_call_stall_s."""
+    c = actor.plan.config.cluster
+    watched = dict(timeout_s=timeout_s, stall_s=c.stall_s, stall_dir=actor.stall_dir(), step=actor.step,
+                   first_call_stall_s=c.first_call_stall_s if first else None)
+    held = watch(rollout.calls([w.put_sync_probe.remote(version) for w in rollout.workers]), verb="sync_probe",
+                 **watched)
+    probes = [ref for refs in held for ref in refs]
+    return watch(actor.calls([w.score_published_probes.remote(probes) for w in actor.workers]), verb="sync_score",
+                 **watched)[0]

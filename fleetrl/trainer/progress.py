@@ -14,12 +14,16 @@ class Progress:
     """RL steps finished."""
     weights_version: int = 0
     """Version of the actor weights the rollout engines must hold (bumped by every sync)."""
+    sync_baseline: float | None = None
+    """The policy check's first gap, before any update (engines/sync_check.py); kept so that a resume is checked
+    against the run's own baseline rather than against whatever its first sync shows."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "weights_version": self.weights_version}
+        return {"step": self.step, "weights_version": self.weights_version, "sync_baseline": self.sync_baseline}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.weights_version = int(state["step"]), int(state["weights_version"])
+        self.sync_baseline = state.get("sync_baseline")  # None in checkpoints from before the check
 
 
 class RNGState:

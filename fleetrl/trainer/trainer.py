@@ -20,6 +20,7 @@ from fleetrl.algo import (
 from fleetrl.batch import Batch, GroupPartition
 from fleetrl.cluster.group import WorkerGroup
 from fleetrl.config.plan import Plan
+from fleetrl.engines.sync_check import SyncCheckError, judge
 from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.dynamic import fill_informative
 from fleetrl.trainer.inputs import RunInputs
@@ -76,6 +77,7 @@ class Trainer:
         self.partitions: dict[tuple[int, int], GroupPartition] = {}
         self.local: RankLocalStep | None = None  # Plan.rank_local: the step on each rank (trainer/local.py)
         self.pipeline = None  # trainer.mode=async: trainer/pipeline.py, built with the groups
+        self.sync_gap: float | None = None  # the last policy check's gap (engines/sync_check.py)
 
     @property
     def step(self) -> int:
@@ -91,6 +93,7 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         self.build_groups()
         self.maybe_resume()
+        self.check_sync(first=True)  # the baseline, or a resumed run against its own
         total = self.plan.total_steps
         last: dict[str, float] = {}
         if self.val_feed and self.cfg.trainer.val_before_train and self.step == 0:
@@ -108,6 +111,8 @@ class Trainer:
             self.progress.step += 1
             metrics.update(self._step_metrics(record, time.perf_counter() - t0))
             metrics["train/kl_coef"] = self.kl_ctl.coef
+            if self.sync_gap is not None:
+                metrics["train/sync_check/gap"] = self.sync_gap
             metrics.update(self._call_stats())
             self.checkpoint()
             if self.val_feed and self.cfg.trainer.val_every and (self.step % self.cfg.trainer.val_every == 0
@@ -230,6 +235,32 @@ class Trainer:
         with self._timed("sync"):
             self.progress.weights_version += 1
             self._publish_weights()
+        self.check_sync()
+
+    def check_sync(self, *, first: bool = False) -> None:
+        """The policy check (engines/sync_check.py): each rollout engine samples a few tokens, the trainer scores the
+        same tokens on the ranks, and only the gaps come back. The run's first check sets its baseline."""
+        if not self.plan.sync_check:
+            return
+        version, cfg = self.progress.weights_version, self.cfg.rollout.sync_check
+        with self._timed("sync_check"):
+            if self.plan.rollout_colocated:
+                gaps, where = self.group("rollout").call_all(Worker.check_sync, version), "colocated sync"
+            else:
+                from fleetrl.cluster.weight_sync import probe_gaps
+
+                gaps = probe_gaps(self.group("actor"), self.group("rollout"), version, self.cfg.cluster.init_timeout_s,
+                                  first=first)
+                where = f"weight broadcast to pool '{self.plan.roles['rollout']}'"
+        step = self.step if first else self.step + 1  # a sync comes before the step's count moves
+        where += f" at {'resume' if self.step else 'start-up'}" if first else f" after step {step}"
+        try:
+            self.sync_gap = judge(gaps, self.progress.sync_baseline, cfg, version=version, where=where)
+        except SyncCheckError as e:
+            self.tracker.event(step, "sync_check_failed", version=version, gap=e.gap, restart=e.restart)
+            raise
+        if self.progress.sync_baseline is None:
+            self.progress.sync_baseline = self.sync_gap
 
     def _publish_weights(self) -> None:
         """Colocated: the engine already reads the actor's parameters, only the version moves. Separate pool:

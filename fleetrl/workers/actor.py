@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, nullcontext
+from typing import Sequence
 
 import torch
 
@@ -11,6 +12,7 @@ from fleetrl.algo import POLICY_LOSSES, entropy_loss, kl_loss, rollout_correctio
 from fleetrl.batch import Batch
 from fleetrl.engines.replicas import check_same
 from fleetrl.engines.sharding import gathered_call
+from fleetrl.engines.sync_check import SyncProbe, probe_gap
 from fleetrl.engines.training import DistInfo, TrainingEngine
 from fleetrl.models import shapes, varlen
 from fleetrl.models.decoder import NativeDecoder
@@ -168,6 +170,19 @@ class ActorComponent:
                                          share_prompts=self.ctx.cfg.actor.share_prompts, native=self.native,
                                          engine=self.engine)
         return Batch({"old_logprobs": logp, "entropy": ent})
+
+    def probe_gaps(self, probes: Sequence[SyncProbe]) -> list[float]:
+        """The policy check's trainer side (engines/sync_check.py): each probe's largest gap to this model's log-probs
+        of its sampled tokens, at temperature 1 as the engine reported them. Every rank of a sharded actor runs it."""
+        gaps = []
+        for probe in probes:
+            batch = Batch({"prompts": probe.prompts, "prompt_mask": probe.prompt_mask, "responses": probe.responses,
+                           "response_mask": probe.response_mask})
+            with self.precision():
+                logp, _ = batched_logprobs(self.model, batch, micro=len(batch), temperature=1.0,
+                                           chunk=self.ctx.cfg.actor.logprob_chunk, entropy=False, engine=self.engine)
+            gaps.append(probe_gap(probe, logp))
+        return gaps
 
     def update(self, batch: Batch, spec: UpdateSpec) -> UpdateMetrics:
         return run_update(self.engine, batch, spec, epochs=self.ctx.cfg.algorithm.ppo_epochs,

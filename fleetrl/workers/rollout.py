@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Iterator
 
 import torch
 
 from fleetrl.batch import Batch
 from fleetrl.engines.protocol import RolloutEngine, SamplingParams
+from fleetrl.engines.sync_check import SyncProbe, sample_probe
 from fleetrl.models.hf import load_run_tokenizer
 from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.messages import GenerateRequest
+from fleetrl.workers.sync_faults import StaleView, skipped_patterns
 
 
 @contextmanager
@@ -72,6 +74,9 @@ class RolloutComponent:
         # vLLM keeps its own copy of the weights: a colocated sync streams the actor's tensors into it (and checks
         # it); the hf and fast engines read the actor's parameters in place, so only the version moves.
         self.engine_holds_copy = ctx.cfg.rollout.engine == "vllm"
+        # FLEETRL_FAULT_SYNC_SKIP (tests of the policy check): a colocated engine that never sees some parameters'
+        # updates; a separate pool's skip is in Worker.install_weights.
+        self.stale = StaleView(model) if skipped_patterns() and ctx.plan.rollout_colocated else None
         self.episodes = None
         if ctx.cfg.rollout.env is not None:  # multi-turn: the environment plays against the engine
             from fleetrl.workers.episodes import EpisodeRunner
@@ -88,7 +93,7 @@ class RolloutComponent:
                                f"but the step needs {req.min_weights_version}: weight sync did not arrive")
         params = self.sampling_params(batch, req)
         t0 = time.perf_counter()
-        with unsharded(self.model) as t_unshard:
+        with unsharded(self.model) as t_unshard, self.engine_view():
             if self.episodes is not None:
                 if params.max_new_tokens_per_sample is not None:
                     raise ValueError("SamplingParams.max_new_tokens_per_sample limits one generation per sample; "
@@ -108,6 +113,17 @@ class RolloutComponent:
         if t_unshard is not None:  # FSDP2: the gather of every layer before decoding
             timing["generate/unshard"] = t_unshard
         return out
+
+    def engine_view(self) -> ContextManager:
+        """The weights the engine decodes with: the model's, or with FLEETRL_FAULT_SYNC_SKIP some stale ones."""
+        return nullcontext() if self.stale is None else self.stale.swapped()
+
+    def probe(self, version: int) -> SyncProbe:
+        """The policy check's engine side (engines/sync_check.py): a few tokens sampled after the sync to `version`."""
+        with unsharded(self.model), self.engine_view():
+            return sample_probe(self.engine, int(self.model.config.vocab_size), self.ctx.cfg.rollout.sync_check,
+                                seed=self.ctx.plan.seed("sync_check", version, self.ctx.rank), version=version,
+                                rank=self.ctx.rank)
 
     def sampling_params(self, batch: Batch, req: GenerateRequest) -> SamplingParams:
         """The engine settings of one generate call (a seam benchmarks wrap, e.g. bench/longtail.py's per-sample
