@@ -97,6 +97,9 @@ COVERAGE: dict[str, Covered] = {
         "tests/bench/test_race_trl.py::test_the_example_with_the_race_overrides_is_the_config_that_was_raced",
         "needs a GPU: bench/gpu_race.sh runs it there (bench/RESULTS.md); that test checks the example is the config "
         "the race ran"),
+    "bash bench/gpu_race.sh run": Covered(f"{HERE}::test_the_gpu_race_script_parses_and_names_its_usage",
+                                          "needs 4 GPUs and the model carried there (the device machine, "
+                                          "bench/RESULTS.md); that test checks the script parses and its usage"),
     "pytest -m gpu": Covered(
         "tests/integration/test_smollm2_gpu.py::test_smollm2_lora_example_trains_two_steps_on_a_gpu_in_mixed_precision",
         "needs a CUDA GPU (tests/conftest.py skips `gpu` tests without one); that is one of them"),
@@ -426,3 +429,13 @@ def test_the_gpu_suite_has_the_parts_the_readme_names():
         assert set(parts) <= arms, f"{command}: bench/gpu_suite.sh has no part {set(parts) - arms}"
         for var in re.findall(r"([A-Z_][A-Z0-9_]*)=", ENV_PREFIX.match(command).group(0)):
             assert "${" + var in text, f"{command}: bench/gpu_suite.sh never reads {var}"
+
+
+def test_the_gpu_race_script_parses_and_names_its_usage():
+    race = REPO / "bench" / "gpu_race.sh"
+    subprocess.run(["bash", "-n", str(race)], check=True)
+    wrong = subprocess.run(["bash", str(race), "race"], capture_output=True, text=True, cwd=REPO)
+    assert wrong.returncode == 2 and wrong.stderr.startswith("error: usage: bash bench/gpu_race.sh prepare | run")
+    for command in commands_of("bash bench/gpu_race.sh run"):
+        steps_budget = shlex.split(command)[3:]
+        assert all(x.isdigit() for x in steps_budget), f"{command}: STEPS and TRL_BUDGET_S are whole numbers"
