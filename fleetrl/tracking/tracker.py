@@ -5,6 +5,7 @@ continues: losing a dashboard must never lose a run.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -29,7 +30,8 @@ class Tracker:
         self.out_dir = out_dir
         self.cfg = cfg
         self.console = Console(stderr=False, highlight=False)
-        self.jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)
+        self.jsonl = open(out_dir / "metrics.jsonl", "ab", buffering=0)
+        self._unwritten = b""  # records a full disk refused, written first once there is room again
         self.tb = self._tensorboard() if cfg.tensorboard else None
         self.wandb = self._wandb(run_config, name) if cfg.wandb_project else None
         self.mlflow = self._mlflow(run_config, name) if cfg.mlflow_uri else None
@@ -41,7 +43,7 @@ class Tracker:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         record = {"step": step, **clean}
         self.history.append(record)
-        self.jsonl.write(json.dumps(record, allow_nan=True) + "\n")
+        self._append(json.dumps(record, allow_nan=True) + "\n")
         if self.tb:
             for k, v in clean.items():
                 if math.isfinite(v):
@@ -60,8 +62,24 @@ class Tracker:
     def event(self, step: int, kind: str, **info: Any) -> None:
         """Run events (restart, skipped update, resume) go to metrics.jsonl with an `event` key."""
         record = {"step": step, "event": kind, **info}
-        self.jsonl.write(json.dumps(record, default=str) + "\n")
+        self._append(json.dumps(record, default=str) + "\n")
         self.say(f"step {step}: {kind} {info}", label=("event", "yellow"))
+
+    def _append(self, line: str) -> None:
+        """Appends one record to metrics.jsonl. A full disk must not end the run here: the checkpoint save that
+        follows reports it (DiskFullError, one line, exit 2) and says the newest safe checkpoint. So the bytes it
+        refuses wait, in order, and go first into the next write that finds room (a part-written record is
+        finished then, never torn by a later one)."""
+        backlog = bool(self._unwritten)
+        self._unwritten += line.encode()
+        try:
+            while self._unwritten:
+                self._unwritten = self._unwritten[self.jsonl.write(self._unwritten):]
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            if not backlog:  # the first refusal since the disk had room
+                log.warning("metrics.jsonl: the disk is full (%s); records wait in memory until there is room", e)
 
     def say(self, text: str, label: tuple[str, str] | None = None) -> None:
         """Prints `text` literally: error text (Gloo's `[/path/pair.cc:553] ...`, paths, user strings) must
@@ -84,6 +102,11 @@ class Tracker:
 
     def close(self) -> None:
         self.finish()
+        if self._unwritten:
+            self._append("")
+        if self._unwritten:
+            log.warning("metrics.jsonl: %d bytes of records were not written: the disk is still full",
+                        len(self._unwritten))
         self.jsonl.close()
         if self.tb:
             self.tb.close()

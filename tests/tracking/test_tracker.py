@@ -36,3 +36,45 @@ def test_error_text_is_printed_literally_never_as_markup(tmp_path, capsys):
     assert "[bold]not bold[/]" in out and "[red]acc=0.5" in out
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["error"] == f"RayTaskError: {GLOO}" and lines[1]["event"] == GLOO
+
+
+class _FullDisk:
+    """metrics.jsonl on a disk with `room` bytes free: a write takes what fits, then ENOSPC; `room` can be raised."""
+
+    def __init__(self, path, room: int):
+        self.f, self.room = open(path, "ab", buffering=0), room
+
+    def write(self, data: bytes) -> int:
+        if self.room <= 0:
+            raise OSError(28, "No space left on device")
+        n = self.f.write(data[: self.room])
+        self.room -= n
+        return n
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def test_a_full_disk_never_ends_the_run_in_metrics_and_no_record_is_torn_or_lost(tmp_path, caplog):
+    # A full disk is reported by the checkpoint save (DiskFullError, one line, exit 2). A metrics line written
+    # first used to end the run with a bare `OSError: [Errno 28]` traceback (exit 1) instead, or at close.
+    t = Tracker(tmp_path, TrackingConfig(tensorboard=False, console=False, progress=False), {}, "run")
+    t.jsonl.close()
+    t.jsonl = disk = _FullDisk(tmp_path / "metrics.jsonl", room=10)
+    t.log(1, {"train/reward_mean": 0.5})  # 10 bytes of it fit
+    t.event(1, "resumed", supersedes_after=0)
+    assert "disk is full" in caplog.text
+    disk.room = 10**6  # space freed
+    t.log(2, {"train/reward_mean": 0.25})
+    t.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("event")) for r in lines] == [(1, None), (1, "resumed"), (2, None)]
+
+
+def test_records_a_full_disk_still_refuses_at_close_are_reported_not_raised(tmp_path, caplog):
+    t = Tracker(tmp_path, TrackingConfig(tensorboard=False, console=False, progress=False), {}, "run")
+    t.jsonl.close()
+    t.jsonl = _FullDisk(tmp_path / "metrics.jsonl", room=0)
+    t.log(1, {"train/reward_mean": 0.5})
+    t.close()
+    assert "bytes of records were not written: the disk is still full" in caplog.text
