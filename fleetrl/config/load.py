@@ -337,6 +337,12 @@ def _choice(choices: tuple, value: Any, where: str) -> Any:
     """A `Literal[...]` field: the Literal is the one list of allowed values."""
     if value in choices:
         return value
+    if isinstance(value, bool):
+        # YAML 1.1 (PyYAML) reads a bare off/no/false as False and on/yes/true as True, so `actor.autocast: off`
+        # (in a file or as a CLI override) arrives as False: take the choice the user spelled.
+        spelled = [c for c in (("on", "yes", "true") if value else ("off", "no", "false")) if c in choices]
+        if spelled:
+            return spelled[0]
     guess = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
     hint = f"; did you mean {guess[0]!r}?" if guess else ""
     raise ConfigError(f"{where}: unknown value {value!r}{hint} (choose from: {', '.join(map(str, choices))})")

@@ -57,3 +57,12 @@ def test_literal_choices_are_checked_by_the_loader(key, value, listed):
     with pytest.raises(ConfigError, match=f"^{key}: unknown value '{value}'.*") as e:
         load_config("examples/quickstart.yaml", [f"{key}={value}"])
     assert listed in str(e.value)
+
+
+def test_a_bare_yaml_off_is_the_off_choice():
+    # `actor.autocast=off` is YAML 1.1's boolean False before it reaches the Literal field: it means "off"
+    cfg = load_config("examples/quickstart.yaml", ["actor.autocast=off"])
+    assert cfg.actor.autocast == "off"
+    # a boolean where no choice is spelled that way stays an error naming the key
+    with pytest.raises(ConfigError, match="^cluster.backend: unknown value False"):
+        load_config("examples/quickstart.yaml", ["cluster.backend=off"])
