@@ -20,6 +20,7 @@ mode=absolute compares the gap with the threshold alone.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -84,15 +85,16 @@ def judge(gaps: Sequence[float], baseline: float | None, cfg: SyncCheckConfig, *
     """The largest of the rollout workers' gaps; raises SyncCheckError when it is beyond the threshold. `baseline`:
     the run's first gap (None: this is the first, which only an absolute threshold can fail). `where` names the
     sync (e.g. "colocated sync", "weight broadcast to pool 'gen'")."""
-    gap = max(gaps)
+    # A NaN gap (a NaN weight arrived) ranks above every number and passes no threshold.
+    worst = max(range(len(gaps)), key=lambda r: math.inf if math.isnan(gaps[r]) else gaps[r])
+    gap = gaps[worst]
     limit = cfg.threshold if cfg.mode == "absolute" else None if baseline is None else baseline + cfg.threshold
-    if limit is None or not gap > limit:  # `not >`: a NaN gap (a NaN weight arrived) fails too
+    if limit is None or gap <= limit:
         return gap
-    worst = max(range(len(gaps)), key=lambda r: gaps[r])
     rule = ("the absolute threshold" if cfg.mode == "absolute"
             else f"the run's baseline {baseline:.3g} + threshold")
     raise SyncCheckError(
-        f"policy check failed after the {where} to weights version {version}: the rollout engine's log-probs differ "
+        f"policy check failed: {where}, weights version {version}: the rollout engine's log-probs differ "
         f"from the trainer's by up to {gap:.4g} (rollout worker {worst}, {cfg.sequences}x{cfg.tokens} sampled "
         f"tokens), beyond {rule} {cfg.threshold:g} (rollout.sync_check): the engine does not hold the trained "
         f"weights, so its samples would be off-policy. Likely a parameter the sync skipped (LoRA adapters, a tied "

@@ -33,7 +33,7 @@ GGUF_PREFIX = "gguf:"
 TINY_KEYS: dict[str, tuple[str, type]] = {
     "hidden": ("hidden_size", int), "layers": ("num_layers", int), "heads": ("num_heads", int),
     "intermediate": ("intermediate_size", int), "max_pos": ("max_position_embeddings", int),
-    "seed": ("seed", int), "arch": ("arch", str),
+    "seed": ("seed", int), "arch": ("arch", str), "tie": ("tie_word_embeddings", int),
 }
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

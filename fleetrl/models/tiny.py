@@ -71,8 +71,10 @@ def build_tiny_model(
     max_position_embeddings: int = 256,
     seed: int = 0,
     arch: str = "llama",
+    tie_word_embeddings: bool = False,
 ) -> PreTrainedModel:
-    """A randomly initialised fp32 causal LM whose weights depend only on the arguments (not on global RNG)."""
+    """A randomly initialised fp32 causal LM whose weights depend only on the arguments (not on global RNG).
+    tie_word_embeddings: the LM head is the input embedding (SmolLM2, Qwen2.5-0.5B), as `tiny:tie=1`."""
     if arch not in ARCHS:
         raise ValueError(f"tiny model arch {arch!r} is not supported; choose one of {sorted(ARCHS)}")
     if hidden_size % num_heads:
@@ -89,7 +91,7 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=bool(tie_word_embeddings),
         # Eager attention: the incremental (KV-cache) path of `generate` and a full forward pass then agree to
         # ~1e-7 on CPU, which the engine-vs-trainer logprob tests rely on.
         attn_implementation="eager",

@@ -1,7 +1,8 @@
 """Fault injection for the policy check's tests (engines/sync_check.py): a weight sync that silently skips tensors.
 
 FLEETRL_FAULT_SYNC_SKIP=PAT[,PAT...]   tensors whose name contains one of the PATs never reach the rollout engine:
-  separate pool: `Worker.install_weights` drops them from what arrived, so the engine keeps its start-up values;
+  separate pool: `Worker.install_weights` replaces them in what arrived by the engine's own, which so keeps its
+  start-up values;
   colocated: the engine decodes with their start-up values (a copy taken when the rollout was built, swapped in
   around each engine call), as an engine whose own copy of them is never refreshed would.
 A no-op unless the variable is set (cluster.env carries it to Ray workers), like heartbeat's FLEETRL_FAULT_* hooks.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -21,10 +22,15 @@ def skipped_patterns() -> tuple[str, ...]:
     return tuple(p for p in os.environ.get(ENV, "").split(",") if p)
 
 
-def drop_skipped(received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Separate pool: what arrived, less the tensors the fault skips."""
+def skip_received(received: dict[str, torch.Tensor], own: Callable[[], Mapping[str, torch.Tensor]]
+                  ) -> dict[str, torch.Tensor]:
+    """Separate pool: what arrived, with each skipped tensor replaced by the engine's own current one (its stale
+    value; `own` gives the engine model's state), so that even a loader that checks every name is satisfied."""
     pats = skipped_patterns()
-    return {n: t for n, t in received.items() if not any(p in n for p in pats)} if pats else received
+    if not pats:
+        return received
+    mine = own()
+    return {n: mine[n] if any(p in n for p in pats) else t for n, t in received.items()}
 
 
 class StaleView:

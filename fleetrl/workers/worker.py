@@ -25,7 +25,7 @@ from fleetrl.engines.training import DistInfo
 from fleetrl.netif import socket_ifname_env
 from fleetrl.workers.context import WorkerContext
 from fleetrl.workers.memory import bound_onednn_caches, memory_peaks
-from fleetrl.workers.sync_faults import drop_skipped
+from fleetrl.workers.sync_faults import skip_received
 from fleetrl.workers.messages import (
     GenerateRequest,
     PrepareReport,
@@ -252,7 +252,8 @@ class Worker:
     def install_weights(self, received: dict[str, torch.Tensor], version: int) -> None:
         """Loads `sync_state`'s tensors (from the bus or the object store) into the rollout engine."""
         rollout = self._need("rollout")
-        received = drop_skipped(received)  # FLEETRL_FAULT_SYNC_SKIP (workers/sync_faults.py); else a no-op
+        # A no-op unless the FLEETRL_FAULT_SYNC_SKIP test hook is set (workers/sync_faults.py).
+        received = skip_received(received, lambda: rollout.engine_model().state_dict())
         if self.ctx.cfg.actor.lora is not None:  # only the adapted projections travelled; engines take whole state
             received = {**rollout.engine_model().state_dict(), **received}  # dicts: the rest is the engine's own
         rollout.load_weights(received, version)
