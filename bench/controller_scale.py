@@ -96,6 +96,10 @@ class SimRank:
     def weights_version(self) -> int:
         return self.version
 
+    def check_sync(self, version: int) -> float:
+        """The policy check's gap (engines/sync_check.py): none without a model."""
+        return 0.0
+
     def save_state(self, ckpt_dir: str) -> None:
         """Nothing to save (the bench runs with checkpoints off)."""
 

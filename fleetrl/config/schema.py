@@ -88,10 +88,12 @@ class SyncCheckConfig:
     a few tokens and the trainer scores them; a log-prob gap beyond the threshold means the engine does not hold the
     trained weights. The hf and fast engines; rollout.engine=vllm has its own check (rollout.vllm.sync_check_*)."""
 
-    tokens: int = 8
-    """New tokens each probe sequence samples (0 = no check)."""
-    sequences: int = 2
-    """Probe sequences per rollout worker and sync."""
+    tokens: int = 2
+    """New tokens each probe sequence samples (0 = no check). The first comes from the engine's prefill, each later
+    one from a decode step (which may read other copies of the weights: the fast engine's fused or cast ones), and on
+    a CPU each decode step costs about what a training step's does, whatever the batch: 2 checks both paths."""
+    sequences: int = 4
+    """Probe sequences per rollout worker and sync (all in one engine call)."""
     threshold: float = 0.05
     """The largest |engine - trainer| log-prob allowed over the probe's tokens: above the run's own baseline (the gap
     of its first check, before any update, or at resume) with mode=baseline, or as it is with mode=absolute."""
