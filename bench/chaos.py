@@ -40,6 +40,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -275,6 +276,8 @@ class Controller:
                 queue.pop(0)
             elif self.active is not None:
                 self._expire()
+                if self.active is not None and self.active.kind == "disk_full" and self.active.notice_s is None:
+                    _fill(self.soak.disk / "ballast", keep=2**20)  # pruning after a save that slipped in freed room
             time.sleep(0.05)
         return 124
 
@@ -380,9 +383,11 @@ class Controller:
 
 
 def _fill(path: Path, keep: int) -> None:
-    """Makes `path` so large that its filesystem has about `keep` bytes free (the run writes meanwhile, so a
-    size that no longer fits is retried with more room)."""
-    with open(path, "wb") as f:
+    """Grows `path` until its filesystem has about `keep` bytes free (the run writes meanwhile, so a size that no
+    longer fits is retried with more room). Called again, it takes back what the run freed since."""
+    with open(path, "ab") as f:
+        if shutil.disk_usage(path.parent).free <= 2 * keep:
+            return
         for _ in range(8):
             try:
                 room = shutil.disk_usage(path.parent).free + os.fstat(f.fileno()).st_size
@@ -491,13 +496,12 @@ def _num(x) -> str:
 def _med_max(xs: list[float]) -> str:
     if not xs:
         return "-"
-    xs = sorted(xs)
-    return f"{xs[len(xs) // 2]:.1f} / {xs[-1]:.1f}"
+    return f"{statistics.median(xs):.1f} / {max(xs):.1f}"
 
 
 # ---- main -------------------------------------------------------------------------------------------------------
 def soak(seed: int, n_faults: int, steps: int, save_every: int, kinds: tuple[str, ...],
-         timeout_s: float) -> dict:
+         timeout_s: float, logs: Path | None = None) -> dict:
     reason = netns.skip_reason()
     if reason:
         raise SystemExit(f"chaos soak needs two network-namespace hosts: {reason}")
@@ -537,6 +541,11 @@ def soak(seed: int, n_faults: int, steps: int, save_every: int, kinds: tuple[str
                     result["log_tail"] = (root / "chaos_driver.log").read_text()[-4000:]
             finally:
                 s.close()
+                if logs is not None:  # the drivers' and nodes' logs and the run's metrics, for a failure's story
+                    logs.mkdir(parents=True, exist_ok=True)
+                    for f in [*root.glob("*.log"), *root.glob("*.out"), s.disk / "run" / "metrics.jsonl"]:
+                        with contextlib.suppress(OSError):
+                            shutil.copy(f, logs / f.name)
     finally:
         result["faults"] = [asdict(f) for f in faults]
         result["wall_s"] = round(time.monotonic() - t_start, 1)
@@ -558,13 +567,18 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=4)
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ",".join(KINDS))
     p.add_argument("--timeout", type=float, default=3000, help="seconds for each of the two runs")
+    p.add_argument("--logs", type=Path, default=None, help="copy the driver, node and metrics logs here")
     p.add_argument("--out", default=None, help="JSON result (default bench/results/chaos_seed<S>.json)")
     args = p.parse_args()
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if unknown := set(kinds) - set(KINDS):
         raise SystemExit(f"unknown fault kinds {sorted(unknown)}; choose from {list(KINDS)}")
     os.chdir(REPO)
-    result = soak(args.seed, args.faults, args.steps, args.save_every, kinds, args.timeout)
+    # SIGTERM, and SIGINT even where a shell started us in the background with it ignored, end the soak through
+    # its cleanup (Ray nodes, namespaces, the tmpfs)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    result = soak(args.seed, args.faults, args.steps, args.save_every, kinds, args.timeout, args.logs)
     out = Path(args.out or REPO / "bench" / "results" / f"chaos_seed{args.seed}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
