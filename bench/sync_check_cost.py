@@ -10,6 +10,8 @@ that file), each at the check's default setting.
 
     PYTHONPATH=. python bench/sync_check_cost.py --steps 4            # all setups
     PYTHONPATH=. python bench/sync_check_cost.py --steps 4 --only tiny_hf tiny_fast
+    PYTHONPATH=. python bench/sync_check_cost.py --steps 3 --only smollm2_fast --set rollout.sync_check.tokens=1 \
+        --label _t1
 
 Prints a markdown table and writes bench/results/sync_check_cost.json.
 """
@@ -55,12 +57,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--only", nargs="*", choices=sorted(SETUPS), default=sorted(SETUPS))
+    p.add_argument("--set", nargs="*", default=[], help="overrides for every setup, e.g. rollout.sync_check.tokens=1")
+    p.add_argument("--label", default="", help="suffix of the setups' names in the results (with --set)")
     args = p.parse_args()
     out = ROOT / "bench" / "results" / "sync_check_cost.json"
     results = json.loads(out.read_text()) if out.exists() else {"setups": {}}  # other setups' figures are kept
     for name in args.only:
         config, overrides = SETUPS[name]
-        results["setups"][name] = {**measure(config, overrides, args.steps), "steps": args.steps,
+        results["setups"][name + args.label] = {**measure(config, [*overrides, *args.set], args.steps),
+                                                "overrides": args.set, "steps": args.steps,
                                    "date": time.strftime("%Y-%m-%d"), "load_avg_1m": os.getloadavg()[0],
                                    "machine": f"{platform.node()} {os.cpu_count()} cores"}
     print("| setup | probe (seqs x tokens) | check s/step | step s | check share | largest gap |")
