@@ -540,12 +540,12 @@ def soak(seed: int, n_faults: int, steps: int, save_every: int, kinds: tuple[str
                 if result["rc"] != 0:
                     result["log_tail"] = (root / "chaos_driver.log").read_text()[-4000:]
             finally:
-                s.close()
                 if logs is not None:  # the drivers' and nodes' logs and the run's metrics, for a failure's story
                     logs.mkdir(parents=True, exist_ok=True)
                     for f in [*root.glob("*.log"), *root.glob("*.out"), s.disk / "run" / "metrics.jsonl"]:
                         with contextlib.suppress(OSError):
                             shutil.copy(f, logs / f.name)
+                s.close()
     finally:
         result["faults"] = [asdict(f) for f in faults]
         result["wall_s"] = round(time.monotonic() - t_start, 1)
