@@ -3,7 +3,7 @@
 # numbered chunks, carried one per call on the WARM machine (/tmp survives between calls while it stays warm; it
 # goes back after ~30 s idle, so make the calls back to back), unpacked and installed there at the last chunk.
 #
-#   here:   bash bench/gpu_carry.sh pack DIR PATH...     # tar of PATHs -> DIR/chunk.1..N (<= 55 MiB each) + DIR/sha256
+#   here:   bash bench/gpu_carry.sh pack DIR PATH...     # tar of PATHs -> DIR/chunk.1..N (<= 48 MiB each) + DIR/sha256
 #   then, for k = 1..N, one device call each:
 #           rm -rf .carry && mkdir .carry && cp DIR/chunk.k DIR/sha256 .carry/     (here, before the call)
 #           run(carry=[".carry"], command="bash bench/gpu_carry.sh land k N && ...")
@@ -11,7 +11,7 @@
 #           unpacks them under /tmp/carry/files and pip-installs every wheel found there into /tmp/site
 #           (then: export PYTHONPATH=/tmp/site:$PYTHONPATH).
 set -euo pipefail
-CHUNK_MIB=55
+CHUNK_MIB=${CHUNK_MIB:-48}  # with the working tree (~10 MiB) under the 64 MiB a call carries
 cmd=${1:-}
 case "$cmd" in
   pack)
