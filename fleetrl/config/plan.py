@@ -136,9 +136,12 @@ class Plan:
     """rollout.compute_dtype with `auto` resolved (config/precision.py): model or a dtype name; always `model` for
     the hf engine, which decodes in model.dtype."""
     sync_check: bool = False
-    """The policy check runs after every sync (rollout.sync_check, engines/sync_check.py): tokens > 0, a synchronous
-    run (async engines install weights inside their generate calls) and the hf or fast engine (vLLM checks its own
-    syncs, engines/vllm/check.py)."""
+    """The policy check's probe runs after every sync (rollout.sync_check with source=probe, engines/sync_check.py):
+    tokens > 0, a synchronous run (async engines install weights inside their generate calls) and the hf or fast
+    engine (vLLM checks its own syncs, engines/vllm/check.py)."""
+    step_sync_check: bool = False
+    """The policy check on each step's own samples (rollout.sync_check with source=step, the default): as
+    `sync_check`, but judged on the step's mean rollout-vs-trainer log-prob gap, which costs nothing extra."""
     flash_attention_ok: bool = False
     """Every pass of the actor's own forward (the update; the old log-prob recompute where it runs) feeds attention
     fp16/bf16 q/k/v, which FlashAttention kernels need (they have no fp32): actor.packed_attention=auto picks the
@@ -258,6 +261,8 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     # A validation call fills the rollout engines as a training step does (its samples / val_n prompts), so the
     # engines need no more room than training. Why: at 8 prompts a call, 200 held-out prompts took 25 calls, ~1.6 s
     # on an H200 and ~45% of the SmolLM2 race's wall-clock (bench/RESULTS.md, the race's third round).
+    # the policy check (engines/sync_check.py): synchronous runs only (async samples mix versions); vLLM checks itself
+    check_syncs = cfg.rollout.sync_check.tokens > 0 and pipeline is None and cfg.rollout.engine != "vllm"
     val_prompts = max(world["rollout"], cfg.data.prompts_per_step, samples // cfg.rollout.val_n)
     gpu = {r: pools[roles[r]].uses_gpu for r in active}
     check_optimizer_dtype(cfg, [r for r in ("actor", "critic") if r in gpu and not gpu[r]])
@@ -284,7 +289,8 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 action_mask="loss_mask" if cfg.rollout.env else "response_mask",
                 ref_from_actor=ref_from_actor, lora_base_dtype=lora_base,
                 actor_autocast=autocast, rollout_compute_dtype=compute_dtype, flash_attention_ok=flash_ok,
-                sync_check=(cfg.rollout.sync_check.tokens > 0 and pipeline is None and cfg.rollout.engine != "vllm"))
+                sync_check=(check_syncs and cfg.rollout.sync_check.source == "probe"),
+                step_sync_check=(check_syncs and cfg.rollout.sync_check.source == "step"))
 
 
 def _attention_passes(cfg: RunConfig, autocast: str, lora_base: str | None, *, recompute: bool,

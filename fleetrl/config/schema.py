@@ -88,14 +88,22 @@ class SyncCheckConfig:
     a few tokens and the trainer scores them; a log-prob gap beyond the threshold means the engine does not hold the
     trained weights. The hf and fast engines; rollout.engine=vllm has its own check (rollout.vllm.sync_check_*)."""
 
+    source: Literal["step", "probe"] = "step"
+    """What is compared. step: the step's own samples, which the rollout generated right after the previous sync: the
+    mean |rollout - trainer| log-prob over all their tokens, which the update computes anyway (no extra work; the
+    error names the sync the samples came from, one step after it). probe: right after each sync the engine samples
+    `sequences` x `tokens` and the trainer scores them (extra engine and trainer calls, ~2.4% of a CPU SmolLM2 step;
+    the largest gap over so few tokens is noisy with bf16 rollouts: on an H200 the SmolLM2 GPU job's honest gaps
+    reached 3.1, so use it with fp32 engines or a larger threshold)."""
     tokens: int = 2
-    """New tokens each probe sequence samples (0 = no check). The first comes from the engine's prefill, each later
+    """New tokens each probe sequence samples (0 = no check, either source). The first comes from the engine's prefill, each later
     one from a decode step (which may read other copies of the weights: the fast engine's fused or cast ones), and on
     a CPU each decode step costs about what a training step's does, whatever the batch: 2 checks both paths."""
     sequences: int = 4
     """Probe sequences per rollout worker and sync (all in one engine call)."""
     threshold: float = 0.05
-    """The largest |engine - trainer| log-prob allowed over the probe's tokens: above the run's own baseline (the gap
+    """The largest |engine - trainer| log-prob gap allowed (source=step: the step's mean; probe: the largest over the
+    probe's tokens): above the run's own baseline (the gap
     of its first check, before any update, or at resume) with mode=baseline, or as it is with mode=absolute."""
     mode: Literal["baseline", "absolute"] = "baseline"
     on_mismatch: Literal["error", "restart"] = "error"

@@ -81,10 +81,12 @@ def probe_gap(probe: SyncProbe, trainer_logprobs: torch.Tensor) -> float:
     return float((probe.logprobs - ours).abs()[mask].max()) if mask.any() else 0.0
 
 
-def judge(gaps: Sequence[float], baseline: float | None, cfg: SyncCheckConfig, *, version: int, where: str) -> float:
+def judge(gaps: Sequence[float], baseline: float | None, cfg: SyncCheckConfig, *, version: int, where: str,
+          measured: str | None = None) -> float:
     """The largest of the rollout workers' gaps; raises SyncCheckError when it is beyond the threshold. `baseline`:
     the run's first gap (None: this is the first, which only an absolute threshold can fail). `where` names the
-    sync (e.g. "colocated sync", "weight broadcast to pool 'gen'")."""
+    sync (e.g. "colocated sync", "weight broadcast to pool 'gen'"); `measured` says what the gap is, when it is not
+    the probe's largest (source=step: the step's mean)."""
     # A NaN gap (a NaN weight arrived) ranks above every number and passes no threshold.
     worst = max(range(len(gaps)), key=lambda r: math.inf if math.isnan(gaps[r]) else gaps[r])
     gap = gaps[worst]
@@ -95,8 +97,7 @@ def judge(gaps: Sequence[float], baseline: float | None, cfg: SyncCheckConfig, *
             else f"the run's baseline {baseline:.3g} + threshold")
     raise SyncCheckError(
         f"policy check failed: {where}, weights version {version}: the rollout engine's log-probs differ "
-        f"from the trainer's by up to {gap:.4g} (rollout worker {worst}, {cfg.sequences}x{cfg.tokens} sampled "
-        f"tokens), beyond {rule} {cfg.threshold:g} (rollout.sync_check): the engine does not hold the trained "
+        f"from the trainer's by {measured or f'up to {gap:.4g} (rollout worker {worst}, {cfg.sequences}x{cfg.tokens} sampled tokens)'}, beyond {rule} {cfg.threshold:g} (rollout.sync_check): the engine does not hold the trained "
         f"weights, so its samples would be off-policy. Likely a parameter the sync skipped (LoRA adapters, a tied "
         f"head, a bucket of sharded tensors); "
         + ("restarting from the last checkpoint (rollout.sync_check.on_mismatch=restart)" if cfg.on_mismatch ==

@@ -31,8 +31,15 @@ def test_bad_values_are_one_error_line(override, message):
 
 
 def test_on_by_default_off_with_zero_tokens_or_in_async_mode():
-    assert _plan().sync_check and _plan("rollout.sync_check.threshold=inf").sync_check
-    assert not _plan("rollout.sync_check.tokens=0").sync_check
+    # the default judges each step's own samples (source=step); the probe runs only when asked for
+    assert _plan().step_sync_check and not _plan().sync_check
+    probe = "rollout.sync_check.source=probe"
+    assert _plan(probe).sync_check and not _plan(probe).step_sync_check
+    assert _plan(probe, "rollout.sync_check.threshold=inf").sync_check
+    for source in ("step", "probe"):
+        p = _plan(f"rollout.sync_check.source={source}", "rollout.sync_check.tokens=0")
+        assert not p.sync_check and not p.step_sync_check
     split = ["cluster.pools={train: {cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5}}",
              "cluster.roles={actor: train, rollout: gen}"]
-    assert _plan(*split).sync_check and not _plan(*split, "trainer.mode=async").sync_check
+    assert _plan(*split, probe).sync_check and not _plan(*split, probe, "trainer.mode=async").sync_check
+    assert _plan(*split).step_sync_check and not _plan(*split, "trainer.mode=async").step_sync_check

@@ -32,41 +32,49 @@ CASES = {
 }
 
 
-def _expect_caught(run, out) -> None:
+def _expect_caught(run, out, source: str = "probe") -> None:
+    """probe: caught right after the first sync that follows an update (version 1, after step 1); step: on the
+    samples that sync's weights generated, step 2's."""
     with pytest.raises(SyncCheckError) as e:
         run()
-    msg = str(e.value)
-    assert "weights version 1" in msg and "after step 1" in msg, msg  # caught at the first sync after an update
+    msg, step = str(e.value), 1 if source == "probe" else 2
+    where = "after step 1" if source == "probe" else "checked on step 2's samples"
+    assert "weights version 1" in msg and where in msg, msg
     assert e.value.version == 1 and e.value.gap > 0.05
     failed = [r for r in read_metrics(out) if r.get("event") == "sync_check_failed"]
-    assert failed and failed[0]["version"] == 1 and failed[0]["step"] == 1
+    assert failed and failed[0]["version"] == 1 and failed[0]["step"] == step
 
 
+@pytest.mark.parametrize("source", ["step", "probe"])
 @pytest.mark.parametrize("engine", ["hf", "fast"])
 @pytest.mark.parametrize("case", ["lora_adapters", "tied_head"])
-def test_colocated_skip_is_caught_within_one_step(tmp_path, monkeypatch, engine, case):
+def test_colocated_skip_is_caught_within_one_step(tmp_path, monkeypatch, engine, case, source):
     overrides, pattern, _ = CASES[case]
     monkeypatch.setenv("FLEETRL_FAULT_SYNC_SKIP", pattern)
     out = tmp_path / "run"
     _expect_caught(lambda: train_run("examples/quickstart.yaml", out, *BASE, "cluster.backend=local",
-                                     f"rollout.engine={engine}", *overrides), out)
+                                     f"rollout.engine={engine}", f"rollout.sync_check.source={source}",
+                                     *overrides), out, source)
 
 
+@pytest.mark.parametrize("source", ["step", "probe"])
 @pytest.mark.parametrize("engine", ["hf", "fast"])
-def test_colocated_clean_run_passes_with_small_gaps(tmp_path, engine):
+def test_colocated_clean_run_passes_with_small_gaps(tmp_path, engine, source):
     records = train_run("examples/quickstart.yaml", tmp_path / "run", *BASE, "cluster.backend=local",
-                        f"rollout.engine={engine}", LORA)
+                        f"rollout.engine={engine}", f"rollout.sync_check.source={source}", LORA)
     gaps = [r["train/sync_check/gap"] for r in records if "train/sync_check/gap" in r]
     assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
 
 
+@pytest.mark.parametrize("source", ["step", "probe"])
 @pytest.mark.parametrize("engine", ["hf", "fast"])
 @pytest.mark.parametrize("case", ["lora_adapters", "tied_head", "sharded_bucket"])
-def test_across_pools_skip_is_caught_within_one_step(tmp_path, ray_local, engine, case):
+def test_across_pools_skip_is_caught_within_one_step(tmp_path, ray_local, engine, case, source):
     overrides, _, pattern = CASES[case]
     out = tmp_path / "run"
     _expect_caught(lambda: train_run("examples/quickstart.yaml", out, *BASE, *SPLIT, f"rollout.engine={engine}",
-                                     *overrides, f"cluster.env={{FLEETRL_FAULT_SYNC_SKIP: '{pattern}'}}"), out)
+                                     f"rollout.sync_check.source={source}", *overrides,
+                                     f"cluster.env={{FLEETRL_FAULT_SYNC_SKIP: '{pattern}'}}"), out, source)
 
 
 def test_restart_mode_restarts_then_stops_when_restarts_run_out(tmp_path, ray_local):
@@ -74,6 +82,7 @@ def test_restart_mode_restarts_then_stops_when_restarts_run_out(tmp_path, ray_lo
     out = tmp_path / "run"
     with pytest.raises(SyncCheckError) as e:
         train_run("examples/quickstart.yaml", out, *BASE, LORA, "cluster.env={FLEETRL_FAULT_SYNC_SKIP: lora_B}",
+                  "rollout.sync_check.source=probe",
                   "trainer.save_every=1",
                   "rollout.sync_check.on_mismatch=restart", "trainer.max_restarts=1", "trainer.restart_wait_s=1")
     assert e.value.restart
