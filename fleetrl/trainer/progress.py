@@ -15,8 +15,9 @@ class Progress:
     weights_version: int = 0
     """Version of the actor weights the rollout engines must hold (bumped by every sync)."""
     sync_baseline: float | None = None
-    """The policy check's first gap, before any update (engines/sync_check.py); kept so that a resume is checked
-    against the run's own baseline rather than against whatever its first sync shows."""
+    """The policy check's baseline (engines/sync_check.py): the probe's first gap, before any update, or with
+    source=step the largest gap of the last 10 steps; kept so that a resume is checked against the run's own
+    baseline rather than against whatever its first sync shows."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "weights_version": self.weights_version, "sync_baseline": self.sync_baseline}

@@ -209,3 +209,29 @@ def test_a_rank_local_step_reports_the_peak_its_update_reached(tmp_path: Path, m
     finally:
         t.shutdown()
         t.tracker.close()
+
+
+def test_the_step_check_fails_a_jump_not_a_slow_drift():
+    """source=step: the baseline is the largest gap of the previous 10 steps. A gap drifting up by 0.004 a step (the
+    CPU SmolLM2 LoRA job's bf16 merge) never exceeds it + 0.05; a step whose gap is 0.06 above the window's largest
+    is an error naming the sync's version (the step's - 1) and the step."""
+    from types import SimpleNamespace
+
+    from fleetrl.config.schema import SyncCheckConfig
+    from fleetrl.engines.sync_check import SyncCheckError
+    from fleetrl.trainer.progress import Progress
+
+    events = []
+    t = Trainer.__new__(Trainer)
+    t.plan = SimpleNamespace(step_sync_check=True, rollout_colocated=True)
+    t.cfg = SimpleNamespace(rollout=SimpleNamespace(sync_check=SyncCheckConfig()))
+    t.progress, t.recent_gaps, t.sync_gap = Progress(), __import__("collections").deque(maxlen=10), None
+    t.tracker = SimpleNamespace(event=lambda step, name, **kw: events.append((step, name, kw)))
+    for step in range(1, 41):  # 0.037 -> 0.193
+        t.progress.step, t.progress.weights_version = step, step
+        t.check_step_gap({"train/rollout_logprob_diff_mean": 0.037 + 0.004 * (step - 1)})
+    assert t.progress.sync_baseline == pytest.approx(0.193) and not events
+    t.progress.step, t.progress.weights_version = 41, 41
+    with pytest.raises(SyncCheckError, match="to version 40, checked on step 41's samples") as e:
+        t.check_step_gap({"train/rollout_logprob_diff_mean": 0.193 + 0.06})
+    assert e.value.version == 40 and events[0][:2] == (41, "sync_check_failed")
