@@ -25,7 +25,6 @@ from fleetrl.engines.training import DistInfo
 from fleetrl.netif import socket_ifname_env
 from fleetrl.workers.context import WorkerContext
 from fleetrl.workers.memory import bound_onednn_caches, memory_peaks
-from fleetrl.workers.sync_faults import skip_received
 from fleetrl.workers.messages import (
     GenerateRequest,
     PrepareReport,
@@ -34,6 +33,7 @@ from fleetrl.workers.messages import (
     UpdateMetrics,
     UpdateSpec,
 )
+from fleetrl.workers.sync_faults import skip_received
 
 if TYPE_CHECKING:  # imported where first used (Worker._local): local_step imports this module's neighbours
     from fleetrl.workers.local_step import LocalStep
