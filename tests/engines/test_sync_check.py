@@ -73,7 +73,7 @@ def test_engine_probe_matches_the_trainer_and_catches_a_stale_parameter(engine):
     baseline = probe_gap(probe, _trainer_logprobs(trainer, probe))
     assert baseline < 1e-4
     with torch.no_grad():  # an update of the trainer; the sync skips one projection
-        for name, p in trainer.named_parameters():
+        for p in trainer.parameters():
             p.add_(torch.randn_like(p) * 0.05)
         state = {k: v for k, v in trainer.state_dict().items() if "layers.1.mlp.down_proj" not in k}
     eng.load_weights({**rollout.state_dict(), **state}, 1)
