@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fleetrl.cluster import auth, netenv
+from fleetrl.cluster.reaper import start_ticks
 from fleetrl.cluster.roles import RoleDecision, detect_role
 from fleetrl.config.load import redact_secrets, write_private
 
@@ -291,7 +292,7 @@ def _launch(decision: RoleDecision, opts: UpOptions, node_ip: str, token: auth.C
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         state = ClusterState(
             role=decision.role, source=decision.source, address=address, node_ip=node_ip, pid=proc.pid,
-            start_ticks=_start_ticks(proc.pid) or 0, log_path=str(log_path),
+            start_ticks=start_ticks(proc.pid) or 0, log_path=str(log_path),
             dashboard_url=f"http://{opts.dashboard_host}:{opts.dashboard_port}" if decision.is_head else None,
             token_file=str(token.path.resolve()) if token.path else None, token_masked=token.masked,
             env=redact_secrets(extra_env))  # a record for people: `--env HF_TOKEN=...` must not land in it
@@ -351,18 +352,8 @@ def _progress(console: Console | None) -> Progress:
                     TimeElapsedColumn(), console=console or Console(stderr=True), transient=False)
 
 
-def _start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time since boot); None when the process is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # fields after "(comm)" start at field 3
-    return None if fields[0] == "Z" else int(fields[19])  # a zombie has exited; only its parent can reap it
-
-
 def _is_ours(state: ClusterState) -> bool:
-    ticks = _start_ticks(state.pid)
+    ticks = start_ticks(state.pid)
     return ticks is not None and (state.start_ticks == 0 or ticks == state.start_ticks)
 
 
@@ -378,12 +369,12 @@ def _stop_tree(leader: int, grace_s: float) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(leader, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_start_ticks(p) == t for p, t in members.items()):
+    while time.monotonic() < deadline and any(start_ticks(p) == t for p, t in members.items()):
         with contextlib.suppress(ChildProcessError):  # reap the leader when this process is its parent
             os.waitpid(leader, os.WNOHANG)
         time.sleep(0.2)
     for pid, ticks in members.items():
-        if _start_ticks(pid) == ticks:  # same process still alive, not a recycled PID
+        if start_ticks(pid) == ticks:  # same process still alive, not a recycled PID
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
