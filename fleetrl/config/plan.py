@@ -258,11 +258,11 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     kl = cfg.algorithm.kl
     kl_before_update = use_ref and (kl.placement == "reward" or kl.controller == "adaptive")
     recompute = cfg.algorithm.recompute_logprobs == "always" or not on_policy or (stale and kl_before_update)
+    # the policy check (engines/sync_check.py): synchronous runs only (async samples mix versions); vLLM checks itself
+    check_syncs = cfg.rollout.sync_check.tokens > 0 and pipeline is None and cfg.rollout.engine != "vllm"
     # A validation call fills the rollout engines as a training step does (its samples / val_n prompts), so the
     # engines need no more room than training. Why: at 8 prompts a call, 200 held-out prompts took 25 calls, ~1.6 s
     # on an H200 and ~45% of the SmolLM2 race's wall-clock (bench/RESULTS.md, the race's third round).
-    # the policy check (engines/sync_check.py): synchronous runs only (async samples mix versions); vLLM checks itself
-    check_syncs = cfg.rollout.sync_check.tokens > 0 and pipeline is None and cfg.rollout.engine != "vllm"
     val_prompts = max(world["rollout"], cfg.data.prompts_per_step, samples // cfg.rollout.val_n)
     gpu = {r: pools[roles[r]].uses_gpu for r in active}
     check_optimizer_dtype(cfg, [r for r in ("actor", "critic") if r in gpu and not gpu[r]])

@@ -95,10 +95,11 @@ def judge(gaps: Sequence[float], baseline: float | None, cfg: SyncCheckConfig, *
         return gap
     rule = ("the absolute threshold" if cfg.mode == "absolute"
             else f"the run's baseline {baseline:.3g} + threshold")
+    measured = measured or f"up to {gap:.4g} (rollout worker {worst}, {cfg.sequences}x{cfg.tokens} sampled tokens)"
     raise SyncCheckError(
         f"policy check failed: {where}, weights version {version}: the rollout engine's log-probs differ "
-        f"from the trainer's by {measured or f'up to {gap:.4g} (rollout worker {worst}, {cfg.sequences}x{cfg.tokens} sampled tokens)'}, beyond {rule} {cfg.threshold:g} (rollout.sync_check): the engine does not hold the trained "
-        f"weights, so its samples would be off-policy. Likely a parameter the sync skipped (LoRA adapters, a tied "
+        f"from the trainer's by {measured}, beyond {rule} {cfg.threshold:g} (rollout.sync_check): the engine does "
+        f"not hold the trained weights, so its samples would be off-policy. Likely a parameter the sync skipped (LoRA adapters, a tied "
         f"head, a bucket of sharded tensors); "
         + ("restarting from the last checkpoint (rollout.sync_check.on_mismatch=restart)" if cfg.on_mismatch ==
            "restart" else "set rollout.sync_check.on_mismatch=restart to resume from the last checkpoint instead"),

@@ -150,7 +150,7 @@ def load_causal_lm(
 
 
 def own_memory(model: torch.nn.Module) -> None:
-    """Copies every parameter and buffer that still views a memory-mapped checkpoint file into memory of its own.
+    """Copies every parameter and buffer into memory of its own, so none views a memory-mapped checkpoint file.
 
     Why: transformers maps a safetensors file and hands out views of that one mapping, so the mapping lives as long
     as any tensor of it does. Every page a worker ever reads (all of them, once a frozen LoRA base is cast to bf16 or

@@ -247,7 +247,7 @@ class Trainer:
         same tokens on the ranks, and only the gaps come back. The run's first check sets its baseline."""
         if not self.plan.sync_check:
             return
-        version, cfg = self.progress.weights_version, self.cfg.rollout.sync_check
+        version = self.progress.weights_version
         with self._timed("sync_check"):
             if self.plan.rollout_colocated:
                 gaps, where = self.group("rollout").call_all(Worker.check_sync, version), "colocated sync"
@@ -259,11 +259,7 @@ class Trainer:
                 where = f"weight broadcast to pool '{self.plan.roles['rollout']}'"
         step = self.step if first else self.step + 1  # a sync comes before the step's count moves
         where += f" at {'resume' if self.step else 'start-up'}" if first else f" after step {step}"
-        try:
-            self.sync_gap = judge(gaps, self.progress.sync_baseline, cfg, version=version, where=where)
-        except SyncCheckError as e:
-            self.tracker.event(step, "sync_check_failed", version=version, gap=e.gap, restart=e.restart)
-            raise
+        self.sync_gap = self._judge(gaps, self.progress.sync_baseline, version, where, step)
         if self.progress.sync_baseline is None:
             self.progress.sync_baseline = self.sync_gap
 
@@ -280,19 +276,24 @@ class Trainer:
         if not self.plan.step_sync_check or gap is None:
             return
         t0 = time.perf_counter()
-        version, cfg = self.progress.weights_version - 1, self.cfg.rollout.sync_check  # the step's update moved it
+        version = self.progress.weights_version - 1  # the samples' weights: the step's update moved the version on
         where = f"{'colocated sync' if self.plan.rollout_colocated else 'weight sync'} to version {version}, " \
                 f"checked on step {self.step}'s samples"
         baseline = max(self.recent_gaps) if self.recent_gaps else self.progress.sync_baseline
-        try:
-            self.sync_gap = judge([gap], baseline, cfg, version=version, where=where,
-                                  measured=f"{gap:.4g} on average over the step's sampled tokens")
-        except SyncCheckError as e:
-            self.tracker.event(self.step, "sync_check_failed", version=version, gap=e.gap, restart=e.restart)
-            raise
+        self.sync_gap = self._judge([gap], baseline, version, where, self.step,
+                                    measured=f"{gap:.4g} on average over the step's sampled tokens")
         self.recent_gaps.append(gap)
         self.progress.sync_baseline = max(self.recent_gaps)  # a resumed run starts from the window's baseline
         metrics["train/time/sync_check"] = time.perf_counter() - t0  # what bench/sync_check_cost.py reads
+
+    def _judge(self, gaps: list[float], baseline: float | None, version: int, where: str, step: int,
+               measured: str | None = None) -> float:
+        """engines/sync_check.judge, with a failure also recorded as a `sync_check_failed` event at `step`."""
+        try:
+            return judge(gaps, baseline, self.cfg.rollout.sync_check, version=version, where=where, measured=measured)
+        except SyncCheckError as e:
+            self.tracker.event(step, "sync_check_failed", version=version, gap=e.gap, restart=e.restart)
+            raise
 
     def _publish_weights(self) -> None:
         """Colocated: the engine already reads the actor's parameters, only the version moves. Separate pool:
