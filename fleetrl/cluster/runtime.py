@@ -60,10 +60,11 @@ def start_reaper() -> None:
     known = {pid: ticks for pid, ticks in started if ticks is not None}
     raylet = node.all_processes["raylet"][0].process.pid
     me = os.getpid()
-    if raylet not in known or reaper.start_ticks(me) is None:
+    my_ticks = reaper.start_ticks(me)
+    if raylet not in known or my_ticks is None:
         log.warning("no reaper for the local Ray: its raylet (pid %s) already exited", raylet)
         return
-    cmd = reaper.command((me, reaper.start_ticks(me)), (raylet, known[raylet]),
+    cmd = reaper.command((me, my_ticks), (raylet, known[raylet]),
                          ray.get_runtime_context().get_node_id(), list(known.items()))
     try:  # returns at once: the reaper detaches (forks) and its first process exits
         subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

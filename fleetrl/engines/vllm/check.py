@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-PROBE_SEED = 20_261_127  # the probe's token ids depend only on this and the vocabulary size
+from fleetrl.engines.sync_check import PROBE_SEED  # the probe's token ids depend only on it and the vocabulary size
 
 
 class VLLMSyncError(RuntimeError):
