@@ -293,7 +293,7 @@ def guarded_adamw(model: torch.nn.Module, config: Any, *, fused: bool) -> torch.
         def step(self, closure: Any = None) -> Any:  # noqa: ANN401 - torch's own signature
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grads and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()):
-                SkipNonfinite.skipped += 1
+                self.skipped += 1  # an instance count, the class default 0 before the first
                 return None
             return super().step(closure)
 
