@@ -21,20 +21,26 @@ SPLIT = ("cluster.pools={train: {cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0
          "cluster.roles={actor: train, rollout: gen}")
 SHORT = ("model.path=tiny:", "data.prompts_per_step=8", "algorithm.micro_batch_size=16", "trainer.val_every=0",
          "trainer.val_before_train=false", "actor.optim.lr=0.01")
-# What differs between two runs with equal numbers: the machine metrics, and the async-only diagnostics.
+# What differs between two runs with equal numbers: the machine metrics, the async-only diagnostics, and the
+# policy check's gap, which the Plan runs on synchronous runs only (an async step's samples may mix versions).
 ASYNC_ONLY = "train/async/"
+SYNC_ONLY = "train/sync_check/"
 
 
 def _numbers(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not (is_machine_metric(k) or k.startswith(ASYNC_ONLY))} for r in records
-            if "train/reward_mean" in r]
+    return [{k: v for k, v in r.items() if not (is_machine_metric(k) or k.startswith((ASYNC_ONLY, SYNC_ONLY)))}
+            for r in records if "train/reward_mean" in r]
 
 
 @pytest.mark.slow
 def test_staleness_zero_is_the_synchronous_run(tmp_path, ray_local):
-    sync = _numbers(train_run("examples/quickstart.yaml", tmp_path / "sync", *SHORT, *SPLIT, "trainer.total_steps=3"))
-    asyn = _numbers(train_run("examples/quickstart.yaml", tmp_path / "async", *SHORT, *SPLIT, "trainer.total_steps=3",
-                              "trainer.mode=async", "trainer.max_staleness=0"))
+    sync_raw = train_run("examples/quickstart.yaml", tmp_path / "sync", *SHORT, *SPLIT, "trainer.total_steps=3")
+    asyn_raw = train_run("examples/quickstart.yaml", tmp_path / "async", *SHORT, *SPLIT, "trainer.total_steps=3",
+                         "trainer.mode=async", "trainer.max_staleness=0")
+    steps = [r for r in sync_raw if "train/reward_mean" in r]
+    assert all(SYNC_ONLY + "gap" in r for r in steps)  # the check ran on the synchronous run, and only there
+    assert not any(k.startswith(SYNC_ONLY) for r in asyn_raw for k in r)
+    sync, asyn = _numbers(sync_raw), _numbers(asyn_raw)
     assert len(sync) == len(asyn) == 3
     assert sync[0]["train/actor/pg_loss"] != sync[2]["train/actor/pg_loss"]  # the runs do move
     for step, (s, a) in enumerate(zip(sync, asyn), start=1):
