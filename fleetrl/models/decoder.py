@@ -1,4 +1,4 @@
-"""Our own training forward for the Llama / Qwen2 decoder family (`actor.forward: native`).
+"""Our own training forward for the Llama / Qwen2 / Qwen3 / Mistral decoder families (`actor.forward: native`).
 
 Why: compiling HF's decoder layers inside our log-prob path made the e2e update slower, not faster
 (bench/RESULTS.md, "Training-side variants"), while the same compile in a plain loop gave +44%. HF's layer takes a
@@ -9,8 +9,10 @@ bucket (a varlen row's sizes are dynamic: `NativeDecoder.hidden`).
 What it reads: the HF modules' own parameters, in place. Projections are *called* (`self_attn.q_proj(h)`), not
 read as matrices, so biases (Qwen2's q/k/v), peft's LoRA wrappers (fleetrl/models/lora.py) and any hooks on them
 apply unchanged, and gradients land on the HF parameters: the optimiser, checkpoints and weight sync see nothing
-different. RMSNorm weights and the rotary `inv_freq` are read from the modules. Shapes come from the fast
-engine's `read_spec` (fleetrl/engines/fast/arch.py), which validates the same family.
+different. RMSNorm weights (Qwen3's per-head q_norm / k_norm included) and the rotary `inv_freq` are read from the
+modules. Shapes come from the fast engine's `read_spec` (fleetrl/engines/fast/arch.py), which validates the same
+families; a Mistral sliding window is accepted only where no sample is longer than it (`NativeDecoder.check_lengths`),
+since this forward attends to the whole sample.
 
 Attention: padded rows are compacted so each row's real tokens come first (see `padded_native_logprobs`), after
 which plain causal SDPA with no mask is exact for them; packed rows (fleetrl/models/packing.py) attend within
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fleetrl.engines.fast.arch import SUPPORTED_MODEL_TYPES, DecoderSpec, read_spec
+from fleetrl.engines.fast.arch import SUPPORTED_MODEL_TYPES, DecoderSpec, check_window, read_spec
 from fleetrl.engines.fast.forward import apply_rope, rms_norm  # HF's ops, shared with decode
 from fleetrl.engines.sharding import gathered_call
 from fleetrl.errors import UserError
@@ -128,8 +130,11 @@ def decoder_layer(layer: nn.Module, x_BLD: torch.Tensor, cos_BLQ: torch.Tensor, 
     B, L, _ = x_BLD.shape
     att, mlp = layer.self_attn, layer.mlp
     h = rms_norm(x_BLD, layer.input_layernorm.weight, spec.rms_eps)
-    q = att.q_proj(h).view(B, L, spec.num_heads, spec.head_dim).transpose(1, 2)
-    k = att.k_proj(h).view(B, L, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    q = att.q_proj(h).view(B, L, spec.num_heads, spec.head_dim)
+    k = att.k_proj(h).view(B, L, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm:  # Qwen3: each head of q and k RMS-normalised over head_dim, before RoPE
+        q, k = rms_norm(q, att.q_norm.weight, spec.rms_eps), rms_norm(k, att.k_norm.weight, spec.rms_eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = att.v_proj(h).view(B, L, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     cos, sin = cos_BLQ[:, None], sin_BLQ[:, None]
     o = _attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask)
@@ -139,7 +144,7 @@ def decoder_layer(layer: nn.Module, x_BLD: torch.Tensor, cos_BLQ: torch.Tensor, 
 
 
 class NativeDecoder:
-    """The backbone forward of one HF Llama/Qwen2 model, optionally with each layer compiled.
+    """The backbone forward of one HF Llama/Qwen2/Qwen3/Mistral model, optionally with each layer compiled.
 
     `compile_backend`: None = eager; else `torch.compile(decoder_layer, fullgraph=True, dynamic=dynamic)` with that
     backend ("inductor"). One compiled function serves every layer: the layer module is an argument, and
@@ -148,10 +153,15 @@ class NativeDecoder:
     on 2 cores, and a dynamic graph measured as fast as a static one there) instead of one per shape (GPU:
     static shapes measured faster on an H200), except for a varlen row, whose length, segment count and key
     count are marked dynamic so that one graph serves every long-tailed micro-batch.
+    `max_seq_len`: the longest sample (prompt + response) the run can make, when known; a Mistral sliding window
+    narrower than it is refused here, at load, rather than at the first long batch (`check_lengths`).
     """
 
-    def __init__(self, model: nn.Module, *, compile_backend: str | None = None, dynamic: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, compile_backend: str | None = None, dynamic: bool = False,
+                 max_seq_len: int | None = None) -> None:
         self.spec = check_supported(model)
+        if max_seq_len is not None:
+            self.check_lengths(max_seq_len, "data.max_prompt_length + rollout.max_response_tokens")
         self.layer_fn: Callable[..., torch.Tensor] = decoder_layer
         self.compiled = compile_backend is not None
         if compile_backend is not None:
@@ -163,6 +173,15 @@ class NativeDecoder:
             # Without duck sizing in either form: the varlen rows' sizes marked dynamic (`hidden`) must not be
             # tied to a size that happened to equal them in the first trace.
             self.layer_fn = _without_duck_sizing(compiled)
+
+    def check_lengths(self, longest: int, what: str = "the longest sample (prompt + response) of a micro-batch") -> None:
+        """Raises NativeForwardError when a Mistral sliding window is narrower than `longest` tokens: full causal
+        attention, which this forward computes, is HF's windowed attention only up to the window (arch.check_window).
+        A no-op for every other model."""
+        try:
+            check_window(self.spec, longest, what)
+        except ValueError as err:
+            raise NativeForwardError(f"actor.forward=native: {err}") from None
 
     def hidden(self, model: nn.Module, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor,
                mask: Mask = None) -> torch.Tensor:

@@ -79,6 +79,7 @@ def padded_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
         raise ValueError("actor.forward=native: every sample needs at least one prompt token (e.g. BOS) to "
                          "condition its first response token on; a row of prompt_mask is all 0")
     real = int((prompt_mask.sum(1) + response_mask.sum(1)).max())
+    decoder.check_lengths(real)
     ids_BW, pred_BR = compact_rows(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR, bucket_length(real))
     positions_BW = torch.arange(ids_BW.shape[1], device=ids_BW.device).expand_as(ids_BW)
     hidden_BWD = decoder.hidden(model, ids_BW, positions_BW)
@@ -113,6 +114,8 @@ def packed_native_logprobs(decoder: NativeDecoder, model: nn.Module, prompts_BP:
         raise ValueError(f"packed_native_logprobs: temperature must be > 0, got {temperature}")
     check_head_only(model, "actor.forward=native")
     rows = host if host is not None else HostRows(prompts_BP, prompt_mask_BP, responses_BR, response_mask_BR)
+    if decoder.spec.attention_window is not None:  # a host read only for a windowed model (Mistral)
+        decoder.check_lengths(int((rows.prompt_mask_BP.sum(1) + rows.response_mask_BR.sum(1)).max()))
     # The bound covers a pad doc too (up to PACK_ALIGN tokens, `pack`), or short configs would see two bounds.
     pk, mask = _row_and_mask(rows, prompts_BP.device, attention, max(max_segment, PACK_ALIGN), align, share_prompts)
     hidden_1ND = decoder.hidden(model, pk.input_ids_1N, pk.position_ids_1N, mask)

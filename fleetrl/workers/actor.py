@@ -124,7 +124,9 @@ def native_forward(ctx: WorkerContext, model: torch.nn.Module, packed: PackedFor
     if a.forward != "native":
         return None
     on_cpu = ctx.device().type == "cpu"
-    decoder = NativeDecoder(model, compile_backend="inductor" if a.compile else None, dynamic=on_cpu)
+    # max_seq_len: a Mistral sliding window narrower than the run's longest sample is refused at load (decoder.py)
+    decoder = NativeDecoder(model, compile_backend="inductor" if a.compile else None, dynamic=on_cpu,
+                            max_seq_len=ctx.plan.rollout.max_seq_len)
     return NativeForward(decoder, packed=packed, chunk=chunk,
                          fused_chunk=a.fused_logprob_chunk)
 

@@ -285,7 +285,8 @@ def test_shared_prompt_pack_layout_by_hand():
 
 def test_unsupported_architecture_names_the_type_and_the_supported_ones():
     cfg = transformers.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2)
-    with pytest.raises(NativeForwardError, match=r"\['llama', 'qwen2'\]; this model's type is 'gpt2'.*actor.forward=hf"):
+    with pytest.raises(NativeForwardError, match=r"\['llama', 'qwen2', 'qwen3', 'mistral'\]; this model's type is "
+                                                 r"'gpt2'.*actor.forward=hf"):
         NativeDecoder(transformers.GPT2LMHeadModel(cfg))
 
 

@@ -36,6 +36,7 @@ from fleetrl import heartbeat
 from fleetrl.batch import upload
 from fleetrl.engines.fast.arch import (
     DecoderSpec,
+    check_window,
     model_weights,
     read_spec,
     weight_fingerprint,
@@ -52,7 +53,7 @@ SEQ_GRANULE = 64  # cache positions are allocated in multiples of this, so simil
 
 
 class FastRolloutEngine:
-    """RolloutEngine for Llama/Qwen2 HF models (see module docstring). Runs on CUDA (graphs, Triton) or CPU.
+    """RolloutEngine for Llama/Qwen2/Qwen3/Mistral HF models (see module docstring), on CUDA (graphs, Triton) or CPU.
 
     kernels: "auto" uses the fused Triton kernels on CUDA when triton is installed, else torch ops; "torch"
     forces torch ops. sync_every: decode steps between host reads of the done flags. prefill_tokens: the
@@ -85,6 +86,8 @@ class FastRolloutEngine:
         self.model, self.tokenizer = model, tokenizer
         self.device = _resolve(torch.device(device))
         self.spec: DecoderSpec = read_spec(model)
+        # Mistral's sliding window: exact while no sequence outgrows it, and none outgrows max_seq_len (`_unpad`).
+        check_window(self.spec, max_seq_len, "the engine's max_seq_len")
         self.max_batch, self.max_seq_len, self.sync_every = max_batch, max_seq_len, sync_every
         self.prefill_tokens = max(prefill_tokens, max_seq_len)
         self.model_dtype = self._check_weights()

@@ -1,4 +1,4 @@
-"""The fast engine's own Llama/Qwen2 forward: prefill of new prompts and one batched decode step.
+"""The fast engine's own Llama/Qwen2/Qwen3/Mistral forward: prefill of new prompts and one batched decode step.
 
 Written with torch ops (and optionally the fused Triton kernels of `triton_kernels.py` on CUDA), reading the
 weights from the HF modules (`arch.model_weights`). The torch path mirrors the HF modules op for op (RMSNorm in
@@ -40,6 +40,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x * cos + rotate_half(x) * sin, as HF's apply_rotary_pos_emb (cos/sin broadcast over heads)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def head_norms(q: torch.Tensor, k: torch.Tensor, lw: Any, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q_norm / k_norm (RMSNorm over head_dim, HF's op for op) on q [..., H, d], k [..., KVH, d],
+    between the projection and RoPE; unchanged for the families without them (lw.qn None)."""
+    if lw.qn is None:
+        return q, k
+    return rms_norm(q, lw.qn, eps), rms_norm(k, lw.kn, eps)
 
 
 def _mlp(h: torch.Tensor, lw: Any) -> torch.Tensor:
@@ -152,8 +160,9 @@ class DecoderForward:
         cos, sin = self.cos[:plen][None, None], self.sin[:plen][None, None]
         for layer, lw in enumerate(w.layers):
             q, k, v = _qkv(rms_norm(x, lw.ln1, s.rms_eps), lw, s)
-            q = q.reshape(n, plen, s.num_heads, s.head_dim).transpose(1, 2)
-            k = k.reshape(n, plen, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            q, k = head_norms(q.reshape(n, plen, s.num_heads, s.head_dim),
+                              k.reshape(n, plen, s.num_kv_heads, s.head_dim), lw, s.rms_eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.reshape(n, plen, s.num_kv_heads, s.head_dim).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k_cache[layer][slots, :, :plen] = k
@@ -186,8 +195,9 @@ class DecoderForward:
         mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]
         for layer, lw in enumerate(w.layers):
             q, k, v = _qkv(rms_norm(x, lw.ln1, s.rms_eps), lw, s)
-            q = apply_rope(q.reshape(nb, s.num_heads, s.head_dim), cos, sin)
-            k = apply_rope(k.reshape(nb, s.num_kv_heads, s.head_dim), cos, sin)
+            q, k = head_norms(q.reshape(nb, s.num_heads, s.head_dim), k.reshape(nb, s.num_kv_heads, s.head_dim),
+                              lw, s.rms_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = v.reshape(nb, s.num_kv_heads, s.head_dim)
             k_cache[layer][rows, :, pos] = k
             v_cache[layer][rows, :, pos] = v
@@ -201,7 +211,7 @@ class DecoderForward:
 
     def _decode_triton(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
                        pos: torch.Tensor, lead: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor:
-        """Same math as `decode`, with RMSNorm+residual, RoPE+cache write+attention and SiLU*up fused."""
+        """Same math as `decode`, with RMSNorm+residual, (q/k norm+)RoPE+cache write+attention and SiLU*up fused."""
         kn, s, w = self.kernels, self.spec, self.weights()
         if lead is None or shared is None:
             lead, shared = torch.arange(len(tokens), device=tokens.device), torch.zeros_like(pos)
@@ -217,7 +227,7 @@ class DecoderForward:
             else:
                 q, k, v = self._linears(h, (lw.wq, lw.bq), (lw.wk, lw.bk), (lw.wv, lw.bv))
             o = kn.decode_attention(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s, self.scale,
-                                    lead, shared)
+                                    lead, shared, q_norm=lw.qn, k_norm=lw.kn)
             kn.add_rmsnorm(x, F.linear(o, lw.wo, lw.bo), lw.ln2, s.rms_eps, h)
             if lw.wgu is not None:
                 gate, up = F.linear(h, lw.wgu, lw.bgu).chunk(2, dim=-1)
@@ -238,7 +248,7 @@ class DecoderForward:
         for layer, lw in enumerate(w.layers):
             q, k, v = torch.mm(x, lw.wqkv.t()).split((s.num_heads * s.head_dim, kv, kv), dim=-1)
             o = kn.decode_attention(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s, self.scale,
-                                    lead, shared, norm_of=x, bias=lw.bqkv)
+                                    lead, shared, norm_of=x, bias=lw.bqkv, q_norm=lw.qn, k_norm=lw.kn)
             x.addmm_(o, lw.wo.t())
             if lw.bo is not None:
                 x.add_(lw.bo)

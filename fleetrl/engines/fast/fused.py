@@ -18,7 +18,10 @@ wqkv's columns and its post-attention one into wgu's, W' = W·diag(g), since
 g ⊙ (x / rms(x)) · Wᵀ = (x · W'ᵀ) / rms(x). The 1/rms(x) per row and the biases are then applied by the kernel
 that reads the GEMM's output (attention, SiLU·up), so a decode layer launches no norm kernel (forward.py
 `_decode_folded`). The row views handed to a prefill are folded too, and `attach` sets ln1/ln2 to None so that
-every reader skips the weight.
+every reader skips the weight. Qwen3's per-head q_norm / k_norm stay where they are (LayerWeights.qn/kn, read from
+the model): they normalise each head of the projection's *output* by that head's own rms, which no scaling of W
+can express, and they run after the row's 1/rms(x) and the bias are applied (the attention kernel; the torch path
+after its normalised-input GEMM), so the fold stays exact up to rounding for them too.
 
 Invariant: the copies equal the model's tensors (folded, with fold_norms) whenever a decode runs. The engine
 marks them stale wherever it learns the weights changed (`weights_version` assigned — the trainer's colocated

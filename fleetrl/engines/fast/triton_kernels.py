@@ -6,7 +6,8 @@ layer to 8 launches with the fused q/k/v and gate/up copies, 6 with the norms fo
 merge at small batch), and the attention kernel reads each slot's KV only up to its own length.
 
   add_rmsnorm       x += delta (model dtype, as HF's residual add), y = RMSNorm(x) * w
-  decode_attention  RoPE on the new q and k and k/v written into the cache at each slot's position (by the one
+  decode_attention  (Qwen3: each head of the new q and k RMS-normalised by its q_norm / k_norm weight, then)
+                    RoPE on the new q and k and k/v written into the cache at each slot's position (by the one
                     program whose span holds it, before its reads), then split-K "flash-decoding" (Dao et al., 2023,
                     https://crfm.stanford.edu/2023/10/12/flashdecoding.html): grid (slot x kv_head, split); the
                     G query heads of one KV head are the rows of one tile, so K/V are read once per KV head (GQA);
@@ -82,11 +83,21 @@ def _proj_load(ptr, offs, mask, rstd, b_ptr, b_offs, FOLD: tl.constexpr, HAS_BIA
 
 
 @triton.jit
+def _head_norm(x, inv, w, like_ptr):
+    """HF's RMSNorm output for one head's values x (fp32, already the projection's model-dtype values) given the
+    head's 1/rms `inv`: x·inv rounded to the model dtype (`like_ptr`'s element type), times the norm weight w,
+    rounded again (HF's `weight * h.to(input_dtype)`), returned in fp32 for RoPE."""
+    dt = like_ptr.dtype.element_ty
+    return (w.to(tl.float32) * (x * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, lead_ptr, shared_ptr, o_ptr,
-                        m_ptr, l_ptr, out_ptr, x_ptr, b_ptr, n_hidden, eps, scale, s_slot, s_head, s_pos, s_q, s_kv,
+                        m_ptr, l_ptr, out_ptr, x_ptr, b_ptr, qn_ptr, kn_ptr, n_hidden, eps, scale, s_slot, s_head,
+                        s_pos, s_q, s_kv,
                         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                         SPLIT: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                        FOLD: tl.constexpr, HAS_BIAS: tl.constexpr, HB: tl.constexpr):
+                        FOLD: tl.constexpr, HAS_BIAS: tl.constexpr, HB: tl.constexpr, QK_NORM: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // KVH).to(tl.int64)
@@ -110,10 +121,13 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, p
     swap = (d + D // 2) % D
     qp = q_ptr + b * s_q
     qo = heads[:, None] * D
-    q = (_proj_load(qp, qo + d[None, :], gmask[:, None], rstd, b_ptr, qo + d[None, :], FOLD, HAS_BIAS) * c[None, :]
-         + sign[None, :] * sn[None, :]
-         * _proj_load(qp, qo + swap[None, :], gmask[:, None], rstd, b_ptr, qo + swap[None, :], FOLD, HAS_BIAS))
-    q = q.to(q_ptr.dtype.element_ty)
+    q_d = _proj_load(qp, qo + d[None, :], gmask[:, None], rstd, b_ptr, qo + d[None, :], FOLD, HAS_BIAS)
+    q_sw = _proj_load(qp, qo + swap[None, :], gmask[:, None], rstd, b_ptr, qo + swap[None, :], FOLD, HAS_BIAS)
+    if QK_NORM:  # Qwen3: per-head RMSNorm of the projected q, after the folded norm's 1/rms and the bias, before RoPE
+        q_inv = tl.rsqrt(tl.sum(q_d * q_d, axis=1) / D + eps)[:, None]  # q_sw holds the same values, permuted
+        q_d = _head_norm(q_d, q_inv, tl.load(qn_ptr + d)[None, :], q_ptr)
+        q_sw = _head_norm(q_sw, q_inv, tl.load(qn_ptr + swap)[None, :], q_ptr)
+    q = (q_d * c[None, :] + sign[None, :] * sn[None, :] * q_sw).to(q_ptr.dtype.element_ty)
     base = b * s_slot + kh * s_head
     # Positions below `shared` are read from the leader slot's rows (equal to this slot's: the prefill copied
     # them): the n samples of a prompt read its cache rows once from HBM, the others hit in L2.
@@ -122,8 +136,13 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, p
     if (start <= pos) & (pos < start + SPLIT):  # the one program of this head whose span holds the new token
         kp, vp, kb = k_ptr + b * s_kv + kh * D, v_ptr + b * s_kv + kh * D, H * D + kh * D  # kb: k's bias column
         every = d < D
-        k_new = (_proj_load(kp, d, every, rstd, b_ptr, kb + d, FOLD, HAS_BIAS) * c
-                 + sign * _proj_load(kp, swap, every, rstd, b_ptr, kb + swap, FOLD, HAS_BIAS) * sn)
+        k_d = _proj_load(kp, d, every, rstd, b_ptr, kb + d, FOLD, HAS_BIAS)
+        k_sw = _proj_load(kp, swap, every, rstd, b_ptr, kb + swap, FOLD, HAS_BIAS)
+        if QK_NORM:
+            k_inv = tl.rsqrt(tl.sum(k_d * k_d, axis=0) / D + eps)
+            k_d = _head_norm(k_d, k_inv, tl.load(kn_ptr + d), k_ptr)
+            k_sw = _head_norm(k_sw, k_inv, tl.load(kn_ptr + swap), k_ptr)
+        k_new = k_d * c + sign * k_sw * sn
         tl.store(kc_ptr + base + pos * s_pos + d, k_new.to(kc_ptr.dtype.element_ty))
         v_new = _proj_load(vp, d, every, rstd, b_ptr, kb + KVH * D + d, FOLD, HAS_BIAS)
         tl.store(vc_ptr + base + pos * s_pos + d, v_new.to(vc_ptr.dtype.element_ty))
@@ -321,14 +340,17 @@ class TritonKernels:
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: DecoderSpec,
                          scale: float, lead: torch.Tensor, shared: torch.Tensor, norm_of: torch.Tensor | None = None,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                         k_norm: torch.Tensor | None = None) -> torch.Tensor:
         """q [nb, H·d], k, v [nb, KVH·d] of the new tokens (before RoPE; possibly column views of one fused GEMM
         output: rows strided, each row's heads contiguous) -> attention output [nb, H·d]. RoPE is applied to q
         and k, and k/v are written into the caches at each slot's position, inside the attention kernel.
         lead, shared [nb] long: slot b reads its positions below shared[b] from slot lead[b]'s cache rows, which
         must hold the same values (a shared prompt's prefix; shared = 0 reads its own rows only).
         norm_of [nb, hidden]: q/k/v came from the un-normalised residual x with the norm weight folded into the
-        GEMM (fused.py); scale each row by its 1/rms(x) (eps = spec.rms_eps), then add `bias` [H·d + 2·KVH·d]."""
+        GEMM (fused.py); scale each row by its 1/rms(x) (eps = spec.rms_eps), then add `bias` [H·d + 2·KVH·d].
+        q_norm, k_norm [d]: Qwen3's per-head RMSNorm weights (eps = spec.rms_eps), applied to each head of the new
+        q and k (after the folded norm and bias above, before RoPE); both or neither."""
         assert q.stride(1) == k.stride(1) == v.stride(1) == 1 and k.stride(0) == v.stride(0)
         assert cos.shape[1] == spec.head_dim and cos.is_contiguous() and sin.is_contiguous()
         nb, max_len = q.shape[0], kc.shape[2]
@@ -339,15 +361,19 @@ class TritonKernels:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
         fold = norm_of is not None
         assert not fold or (norm_of.is_contiguous() and norm_of.shape == (nb, spec.hidden))
+        qk_norm = q_norm is not None
+        assert qk_norm == (k_norm is not None) == spec.qk_norm, "q_norm and k_norm come together (Qwen3)"
+        assert not qk_norm or all(t.is_contiguous() and t.shape == (spec.head_dim,) for t in (q_norm, k_norm))
         warps, stages = ATTN_LAUNCH.get(spec.head_dim, ATTN_LAUNCH_DEFAULT)
         _decode_attn_kernel[(nb * spec.num_kv_heads, nsplit)](
             q, k, v, cos, sin, kc, vc, pos, lead, shared, parts, m, lsum, out, norm_of if fold else q,
-            bias if bias is not None else q, spec.hidden, spec.rms_eps, scale, kc.stride(0), kc.stride(1),
+            bias if bias is not None else q, q_norm if qk_norm else q, k_norm if qk_norm else q,
+            spec.hidden, spec.rms_eps, scale, kc.stride(0), kc.stride(1),
             kc.stride(2), q.stride(0), k.stride(0),
             H=spec.num_heads, KVH=spec.num_kv_heads, G=spec.group, G_PAD=max(16, _pow2(spec.group)),
             D=spec.head_dim, SPLIT=split, NSPLIT=nsplit, BLOCK_N=ATTN_BLOCK_N,
             IEEE=q.dtype == torch.float32, FOLD=fold, HAS_BIAS=fold and bias is not None,
-            HB=_pow2(spec.hidden), num_warps=warps, num_stages=stages)
+            HB=_pow2(spec.hidden), QK_NORM=qk_norm, num_warps=warps, num_stages=stages)
         if nsplit > 1:
             _decode_merge_kernel[(nb * spec.num_heads,)](parts, m, lsum, out, D=spec.head_dim, NSPLIT=nsplit,
                                                         S_PAD=max(2, _pow2(nsplit)), num_warps=2)
