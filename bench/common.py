@@ -24,21 +24,59 @@ QWEN2_SHAPES: dict[str, dict[str, Any]] = {
                  intermediate_size=256, vocab_size=1000, tie_word_embeddings=True),
 }
 
+# config.json of Qwen/Qwen3-0.6B, Qwen/Qwen3-8B and mistralai/Mistral-7B-v0.1 (published dimensions), the other two
+# families the fast engine and the native forward implement; `model_type` picks the HF class (`build_model`). Qwen3's
+# head_dim (128) is not hidden / heads at 0.6B (64). Mistral-7B-v0.1's 4096-token sliding window is full attention
+# for every benchmark length below it; the engine refuses a max_seq_len above it (engines/fast/arch.py check_window).
+FAMILY_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                       tie_word_embeddings=True),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                     rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                     tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
+                       rope_theta=10_000.0, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=4096,
+                       tie_word_embeddings=False),
+}
+# Every shape the benchmarks can build, with its whole config: the Qwen2 ones with Qwen2.5's shared settings.
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    **{name: dict(model_type="qwen2", **dims, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                  max_position_embeddings=32768) for name, dims in QWEN2_SHAPES.items()},
+    **FAMILY_SHAPES,
+}
+
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s. NVIDIA H100 Tensor Core GPU datasheet (SXM5: "BF16 Tensor
 # Core 1,979 TFLOPS", footnote: with sparsity) and NVIDIA H200 datasheet (same 1,979 with sparsity): half is dense.
 PEAK_BF16_DENSE_TFLOPS = {"H100": 989.4, "H200": 989.4}
 
 
-def build_qwen2(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def model_config(shape: str) -> Any:
+    """The HF config of a MODEL_SHAPES shape, of its family's class."""
+    from transformers import AutoConfig
 
-    cfg = Qwen2Config(**QWEN2_SHAPES[shape], rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                      max_position_embeddings=32768, use_cache=True)
+    if shape not in MODEL_SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(MODEL_SHAPES)}")
+    dims = dict(MODEL_SHAPES[shape])
+    return AutoConfig.for_model(dims.pop("model_type"), **dims, use_cache=True)
+
+
+def build_model(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """A random-weight model of any MODEL_SHAPES shape (Qwen2, Qwen3 or Mistral), drawn from seed 0 on `device`."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(model_config(shape))
     model.generation_config.eos_token_id = None  # fixed-length decoding: no EOS anywhere
     return model.to(dtype).eval()
+
+
+# The scripts' historical name: every --shapes option takes any MODEL_SHAPES shape through it.
+build_qwen2 = build_model
 
 
 def matmul_params(model: torch.nn.Module) -> int:
