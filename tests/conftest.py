@@ -37,6 +37,7 @@ LONGEST_FIRST = (
     "tests/integration/test_last_checkpoint.py",     # ~135 alone: Ctrl-C of a `fleetrl train` subprocess, its resume
     "tests/engines/test_fast_sampling.py",           # ~60: Triton sampler in the interpreter
     "tests/integration/test_async_ops.py",
+    "tests/integration/test_async_resume.py",       # ~110 alone: 2 x (straight run, killed CLI run, resume)
     "tests/integration/test_watchdog.py",
     "tests/integration/test_reward_model.py",
     "tests/integration/test_lora.py",

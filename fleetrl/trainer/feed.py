@@ -7,6 +7,7 @@ import fleetrl.data.tasks  # noqa: F401  (registers the built-in synthetic tasks
 from fleetrl.batch import Batch
 from fleetrl.config.plan import Plan
 from fleetrl.config.schema import RunConfig
+from fleetrl.data.collate import collate
 from fleetrl.data.mixture import MixtureDataset, load_dataset
 from fleetrl.models.hf import load_run_tokenizer
 
@@ -43,10 +44,12 @@ class PromptFeed:
     def next_batch(self, size: int) -> Batch:
         return self.dataset.next_batch(self.sampler, size, self.pad_id)
 
+    def collate(self, keys: list[tuple[str, int]]) -> Batch:
+        """The prompts of (task, index) keys the sampler drew (the async pipeline draws first, then collates)."""
+        return collate([self.dataset[k] for k in keys], self.pad_id)
+
     def all_batches(self, size: int, limit: int | None = None) -> list[Batch]:
         """Every prompt once, in order (validation)."""
-        from fleetrl.data.collate import collate
-
         keys = [(t, i) for t, d in self.dataset.datasets.items() for i in range(len(d))]
         if limit is not None:
             keys = keys[:limit]

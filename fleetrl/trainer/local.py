@@ -36,6 +36,8 @@ class LocalStepReports:
     rollouts: list[RolloutReport]
     prepares: list[PrepareReport]
     kl: float | None
+    prompts: tuple[str, ...] = ()
+    """The uid of each prompt (group) the step trained, for prompts.jsonl (trainer/prompt_log.py)."""
 
 
 class RankLocalStep:
@@ -68,7 +70,8 @@ class RankLocalStep:
             with timed("update_actor"):
                 spec = update_spec(plan, "actor", self._minis(prepares, "actor"), kl_ctl.coef)
                 updates.append(self.group.call_all(Worker.update_actor_local, spec))
-        return updates, LocalStepReports(rollouts=rollouts, prepares=prepares, kl=kl)
+        return updates, LocalStepReports(rollouts=rollouts, prepares=prepares, kl=kl,
+                                         prompts=tuple(str(u) for u in prompts["uid"]))
 
     def _minis(self, prepares: list[PrepareReport], role: str) -> tuple[MiniBatchCounts, ...]:
         """The GLOBAL counts of each mini-batch: the ranks' token counts added (a mini-batch is the same groups

@@ -20,7 +20,7 @@ from fleetrl.cluster.stream import Stream
 from fleetrl.config.plan import Plan
 from fleetrl.trainer.dynamic import fill_informative
 from fleetrl.trainer.feed import PromptFeed
-from fleetrl.trainer.schedule import Chunk, Window
+from fleetrl.trainer.schedule import Chunk, PromptLedger, Window
 from fleetrl.workers.episodes import generate_keys
 from fleetrl.workers.messages import GenerateRequest
 
@@ -37,7 +37,9 @@ class AsyncRollouts:
         self.version = 0
         self.started = False
         self.refs: dict[int, Any] = {}  # seq -> ref of the running call
+        self.ledger = PromptLedger()  # the prompts of the chunks no step has taken yet (a checkpoint saves them)
         self.resume_points: dict[int, dict] = {}  # seq -> sampler state before its prompts were drawn
+        self.restored_point: dict | None = None  # the resumed checkpoint's resume point (its plain sampler state)
         self.pending_prompts: dict[int, Batch] = {}  # seq -> the prompts of the running call
         self.finished: dict[int, Batch] = {}  # seq -> scored result, not yet taken
         self.order: list[int] = []  # seqs of `finished`, in the order they finished
@@ -63,9 +65,14 @@ class AsyncRollouts:
         for chunk in self.window.fill(self.version):
             self._submit(chunk)
 
+    def _draw(self, chunk: Chunk) -> list[tuple[str, int]]:
+        """The chunk's prompts: those a checkpoint handed back first, then the sampler's next. Notes the resume
+        point before them (prompts handed back were drawn before the restored sampler's state: the checkpoint's)."""
+        self.resume_points[chunk.seq] = self.restored_point if self.ledger.requeued else self.feed.sampler.state_dict()
+        return self.ledger.draw(chunk.seq, chunk.groups, self.feed.sampler.next_indices)
+
     def _submit(self, chunk: Chunk) -> None:
-        self.resume_points[chunk.seq] = self.feed.sampler.state_dict()
-        prompts = self.feed.next_batch(chunk.groups)
+        prompts = self.feed.collate(self._draw(chunk))
         n = self.cfg.rollout.n
         batch = prompts.repeat_interleave(n)
         batch.tensors["group"] = torch.arange(len(prompts)).repeat_interleave(n)
@@ -112,6 +119,7 @@ class AsyncRollouts:
             self.order.remove(chunk.seq)
             batch = self.finished.pop(chunk.seq)
             self.resume_points.pop(chunk.seq)
+            self.ledger.taken(chunk.seq)
             if self.window.take(chunk, int(batch["weights_version"].min()), trained_version):
                 return batch
             self.dropped_samples += len(batch)
@@ -133,14 +141,39 @@ class AsyncRollouts:
 
     # ------------------------------------------------------------------------------------------- state
     def resume_point(self) -> dict:
-        """The sampler state before the oldest prompts no step has taken yet: a resumed run draws them again
-        (in-flight generation is not checkpointed; docs/async.md)."""
+        """The sampler state before the oldest prompts no step has taken yet: what a synchronous run resumed from
+        this checkpoint draws from (it draws them again, and under `drop` a chunk taken out of order twice)."""
         if self.resume_points:
             return self.resume_points[min(self.resume_points)]
+        if self.ledger.requeued:
+            return self.restored_point
         return self.feed.sampler.state_dict()
 
     def sampler_state(self) -> "PipelineSampler":
         return PipelineSampler(self)
+
+    def checkpoint_state(self) -> dict:
+        """The `sampler` entry of an async checkpoint (docs/async.md, Resume): the resume point, a plain sampler
+        state that any run can load, and under `pipeline` what an async run resumes exactly from: the prompts no
+        step has taken yet (in flight or finished, oldest first), the sampler after its last draw, and the
+        submission number of the oldest untaken chunk (its generation seeds)."""
+        seq = min(self.ledger.chunks, default=self.window.next_seq)
+        untaken = [[task, index] for task, index in self.ledger.untaken()]
+        return {**self.resume_point(),
+                "pipeline": {"untaken": untaken, "sampler": self.feed.sampler.state_dict(), "seq": seq}}
+
+    def restore(self, state: dict) -> None:
+        """Loads a checkpoint's `sampler` entry before the first submission. A checkpoint without the `pipeline`
+        part (a synchronous run's, or an older async one's) resumes from its resume point."""
+        assert not self.started, "a checkpoint is restored before generation starts"
+        pipe = state.get("pipeline")
+        if pipe is None:
+            self.feed.sampler.load_state_dict(state)
+            return
+        self.feed.sampler.load_state_dict(pipe["sampler"])
+        self.ledger.hand_back(pipe["untaken"])
+        self.restored_point = {k: v for k, v in state.items() if k != "pipeline"}
+        self.window.next_seq = int(pipe["seq"])  # the handed-back chunks keep their generation seeds under hold
 
     def metrics(self, batch: Batch, trained_version: int, step_s: float) -> dict[str, float]:
         """Staleness histogram of the step's samples, drops, and each pool's idle time (docs/async.md)."""
@@ -158,16 +191,16 @@ class AsyncRollouts:
 
 
 class PipelineSampler:
-    """The `sampler` Stateful of an async run's checkpoint: saves the resume point, loads into the feed's sampler."""
+    """The `sampler` Stateful of an async run's checkpoint: AsyncRollouts.checkpoint_state / restore."""
 
     def __init__(self, pipeline: AsyncRollouts) -> None:
         self.pipeline = pipeline
 
     def state_dict(self) -> dict:
-        return self.pipeline.resume_point()
+        return self.pipeline.checkpoint_state()
 
     def load_state_dict(self, state: dict) -> None:
-        self.pipeline.feed.sampler.load_state_dict(state)
+        self.pipeline.restore(state)
 
 
 def _concat(chunks: list[Batch]) -> Batch:

@@ -13,11 +13,16 @@ version the step trains.
 
 `drop` takes chunks in the order they finish instead, so a slow generation never holds the trainer; one that
 finishes after its version fell more than k behind is dropped (counted), and its room in the window refilled.
+
+Resume (`PromptLedger`): a checkpoint keeps no generation, but it keeps the prompts of every chunk no step has taken
+yet, oldest first, and the sampler after its last draw. The resumed run submits those prompts again, in that order,
+before it draws new ones: every drawn prompt is taken by exactly one step across any number of resumes (trained, or
+dropped as too stale under `drop`), and under `hold` each step trains the same prompts as an uninterrupted run.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from fleetrl.config.async_plan import AsyncPlan
 
@@ -83,6 +88,42 @@ class Window:
                                            f"{self.plan.max_staleness} under stale=hold")
         self.dropped_groups += chunk.groups
         return False
+
+
+Key = tuple[str, int]
+"""A prompt: (task, index in that task's dataset), as the sampler draws it (data/sampler.py)."""
+
+
+class PromptLedger:
+    """The prompts the window holds: drawn, submitted, not yet taken by a step; and the prompts a checkpoint
+    handed back, submitted again before anything new is drawn."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[int, list[Key]] = {}  # seq -> the prompts of a chunk no step has taken yet
+        self.requeued: list[Key] = []  # from a checkpoint, not yet submitted again
+
+    def draw(self, seq: int, groups: int, fresh: Callable[[int], list[Key]]) -> list[Key]:
+        """The prompts of chunk `seq`: handed-back ones first, then `fresh(k)` (the sampler's next k)."""
+        keys, self.requeued = self.requeued[:groups], self.requeued[groups:]
+        if len(keys) < groups:
+            keys += fresh(groups - len(keys))
+        self.chunks[seq] = keys
+        return keys
+
+    def taken(self, seq: int) -> None:
+        """A step took chunk `seq` (trained on it, or dropped it as too stale): its prompts are spent."""
+        del self.chunks[seq]
+
+    def untaken(self) -> list[Key]:
+        """What a checkpoint saves: every prompt drawn and not taken, in the order it was first drawn (chunks in
+        submission order; handed-back prompts still waiting were drawn before any chunk's fresh ones, and come
+        after the chunks, which took theirs from the front of the same list)."""
+        return [k for seq in sorted(self.chunks) for k in self.chunks[seq]] + self.requeued
+
+    def hand_back(self, keys: Sequence[Key]) -> None:
+        """A resumed run's start: `keys` (a checkpoint's `untaken()`) go out again before any new draw."""
+        assert not self.chunks, "prompts are handed back before the first chunk is submitted"
+        self.requeued = [(str(t), int(i)) for t, i in keys]
 
 
 def staleness_bound_holds(trained_versions: Sequence[int], sample_versions: Sequence[Sequence[int]],

@@ -28,6 +28,7 @@ from fleetrl.trainer.inputs import RunInputs
 from fleetrl.trainer.local import LocalStepReports, RankLocalStep
 from fleetrl.trainer.metrics import local_metrics, rollout_metrics
 from fleetrl.trainer.progress import Progress, RNGState
+from fleetrl.trainer.prompt_log import PromptLog
 from fleetrl.trainer.signals import Interrupted, StopSignal
 from fleetrl.trainer.validate import validate
 from fleetrl.workers.episodes import generate_keys
@@ -82,6 +83,7 @@ class Trainer:
         self.pipeline = None  # trainer.mode=async: trainer/pipeline.py, built with the groups
         self.sync_gap: float | None = None  # the last policy check's gap (engines/sync_check.py)
         self.recent_gaps: deque[float] = deque(maxlen=STEP_CHECK_WINDOW)  # source=step: the baseline's window
+        self.prompt_log = PromptLog(out_dir)  # prompts.jsonl: which prompts each step trained
 
     @property
     def step(self) -> int:
@@ -123,6 +125,7 @@ class Trainer:
             if self.val_feed and self.cfg.trainer.val_every and (self.step % self.cfg.trainer.val_every == 0
                                                                   or self.step == total):
                 metrics.update(self.validate())
+            self.prompt_log.step(self.step, _trained_uids(record))
             self.tracker.log(self.step, metrics)
             last = metrics
             if self.stop.requested:
@@ -338,6 +341,7 @@ class Trainer:
             # resume=auto after a sweep's restart event): every step after 0 is written again and superseded.
             if _has_records(self.out_dir / "metrics.jsonl"):
                 self.tracker.event(0, "resumed", path=None, supersedes_after=0)
+                self.prompt_log.resumed(0)
             return
         diff = load_checkpoint(path, groups=list(self.groups.values()), state=self.state(), config=self.cfg)
         # Only now is this config accepted (the workers' load refuses another model's weights): run.py leaves the
@@ -348,6 +352,7 @@ class Trainer:
             self.tracker.event(self.step, "config_changed_on_resume", diff=diff)
         # Records of steps after this one that metrics.jsonl already holds are superseded by the redone steps.
         self.tracker.event(self.step, "resumed", path=str(path), supersedes_after=self.step)
+        self.prompt_log.resumed(self.step)
         self._publish_weights()  # the rollout engines must hold the resumed weights and version
 
     def stop_now(self) -> None:
@@ -436,6 +441,17 @@ class Trainer:
 def _update_metrics(reports: list[list[UpdateMetrics]]) -> dict[str, float]:
     """The roles' update reports (per role, per rank) as train/* metrics."""
     return {f"train/{k}": v for k, v in UpdateMetrics.reduce_roles(reports).items()}
+
+
+def _trained_uids(record: Batch | LocalStepReports) -> list[str]:
+    """The uid of each group the step trained, in order (the first sample's of each group: a group shares one
+    prompt); [] when the batch has no uids."""
+    if isinstance(record, LocalStepReports):
+        return list(record.prompts)
+    if "uid" not in record:
+        return []
+    uids = record["uid"]
+    return [str(uids[start]) for start, _ in record.group_spans()]
 
 
 def _has_records(metrics: Path) -> bool:
