@@ -45,6 +45,7 @@ class _RayWorker(Worker):
         os.environ["FLEETRL_NODE_ID"] = ray.get_runtime_context().get_node_id()
         super().__init__(ctx)
         self._last_end: float | None = None  # end of this worker's previous async generate call
+        self._offered: tuple[list[Any], int] = ([], 0)  # the newest published weights (partial rollouts)
 
     # -------------------------------------------- async weight path (trainer.mode=async), through the object store
     def put_weights(self) -> list[Any]:
@@ -60,6 +61,17 @@ class _RayWorker(Worker):
             with heartbeat.beating():  # the pull from another node's object store may outlast cluster.stall_s
                 self.install_weights(ray.get(weights[0]), version)
         return self.weights_version()
+
+    def offer_weights(self, weights: list[Any], version: int) -> None:
+        """Partial rollouts: notes the newest published weights without installing them. It runs outside the serial
+        group, so it does not wait behind the generation; that generation installs them at its next segment
+        (`install_newest`), and later calls before they start."""
+        if version > self._offered[1]:
+            self._offered = (weights, version)  # one assignment: the serial thread reads the pair whole
+
+    def install_newest(self) -> None:
+        weights, version = self._offered
+        self.load_published(weights, version)
 
     # -------------------------------------------- policy check across pools (cluster/weight_sync.py probe_gaps)
     def put_sync_probe(self, version: int) -> list[Any]:

@@ -27,6 +27,9 @@ class AsyncPlan:
     version v is then among the first consumed by step v+k+1, which bounds staleness by k (trainer/schedule.py)."""
     max_chunks_per_step: int
     """Chunks one step may consume: P/G, times algorithm.dynamic_sampling.max_rounds when it is on."""
+    segment_tokens: int | None = None
+    """trainer.partial_rollouts: new tokens per sample per segment of a generate call (workers/partial.py); the
+    rollout worker installs the newest published weights between segments. None = partial rollouts off."""
 
     @property
     def chunks_per_step(self) -> int:
@@ -37,6 +40,10 @@ def derive_async(cfg: RunConfig, roles: Mapping[str, str], rollout_world: int) -
     """None in synchronous mode; ConfigError naming the key and the fix when async cannot run this config."""
     t = cfg.trainer
     if t.mode == "sync":
+        if t.partial_rollouts:
+            raise ConfigError("trainer.partial_rollouts=true continues unfinished samples on weights published while "
+                              "they generate, which only trainer.mode=async publishes; set trainer.mode=async or "
+                              "trainer.partial_rollouts=false")
         return None
     if roles["rollout"] == roles["actor"]:
         raise ConfigError(f"trainer.mode=async overlaps generation with training, so the rollout role needs its own "
@@ -59,7 +66,30 @@ def derive_async(cfg: RunConfig, roles: Mapping[str, str], rollout_world: int) -
     per_step = prompts // chunk
     return AsyncPlan(max_staleness=t.max_staleness, stale=t.stale, groups_per_step=prompts, chunk_groups=chunk,
                      window_groups=(t.max_staleness + 1) * prompts,
-                     max_chunks_per_step=per_step * (ds.max_rounds if ds.enabled else 1))
+                     max_chunks_per_step=per_step * (ds.max_rounds if ds.enabled else 1),
+                     segment_tokens=_segment_tokens(cfg))
+
+
+def _segment_tokens(cfg: RunConfig) -> int | None:
+    """trainer.partial_rollouts: the per-segment new-token budget, or None when off (ConfigError where the rollout
+    cannot continue a prefix)."""
+    t, r = cfg.trainer, cfg.rollout
+    if not t.partial_rollouts:
+        return None
+    if r.engine not in ("hf", "fast"):
+        raise ConfigError(f"trainer.partial_rollouts=true re-prefills unfinished samples (prompt plus tokens so far) "
+                          f"with per-sample limits, which the hf and fast engines do and rollout.engine={r.engine} "
+                          f"does not; set rollout.engine=fast (or hf) or trainer.partial_rollouts=false")
+    if r.env is not None:
+        raise ConfigError("trainer.partial_rollouts=true segments single-turn generations; rollout.env runs multi-turn "
+                          "episodes, whose turns are not continued across weight versions. Set "
+                          "trainer.partial_rollouts=false or remove rollout.env")
+    seg = t.partial_segment_tokens if t.partial_segment_tokens is not None else -(-r.max_new_tokens // 4)
+    if not 1 <= seg <= r.max_new_tokens:
+        raise ConfigError(f"trainer.partial_segment_tokens={seg} must be in 1..rollout.max_new_tokens="
+                          f"{r.max_new_tokens} (new tokens per sample per segment); set it there or null "
+                          f"(ceil(max_new_tokens / 4))")
+    return seg
 
 
 def _default_chunk(prompts: int, world: int) -> int:

@@ -205,7 +205,9 @@ class Plan:
             "rank_local": self.rank_local,
             "pipeline": None if self.pipeline is None else {
                 "max_staleness": self.pipeline.max_staleness, "stale": self.pipeline.stale,
-                "chunk_groups": self.pipeline.chunk_groups, "window_groups": self.pipeline.window_groups},
+                "chunk_groups": self.pipeline.chunk_groups, "window_groups": self.pipeline.window_groups,
+                **({} if self.pipeline.segment_tokens is None else
+                   {"partial_segment_tokens": self.pipeline.segment_tokens})},
         }
 
 
@@ -350,7 +352,11 @@ def _engine_sizes(cfg: RunConfig, world: int, samples: int, val_prompts: int,
     per_worker = max(samples // world, -(-val_samples // world))
     if pipeline is not None:  # one async generate call carries chunk_groups whole groups on one worker
         per_worker = max(per_worker, pipeline.chunk_groups * cfg.rollout.n)
-    return EngineSizes(max_batch=per_worker, max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_tokens)
+    # Partial rollouts: a segment's call sizes every row for its largest budget, so a row near its limit (prompt +
+    # max_new_tokens - 1 tokens so far) beside a row with a whole segment left needs segment_tokens more positions.
+    extra = pipeline.segment_tokens if pipeline is not None and pipeline.segment_tokens else 0
+    return EngineSizes(max_batch=per_worker,
+                       max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_tokens + extra)
 
 
 def fallback_plan(plan: Plan) -> Plan | None:

@@ -406,6 +406,14 @@ class TrainerConfig:
     chunk_groups: int | None = None
     """async: prompt groups per generate call (one call = one rollout worker); results stream back and are
     scored call by call. Must divide data.prompts_per_step. None: the step's prompts split over the workers."""
+    partial_rollouts: bool = False
+    """async (docs/async.md, Partial rollouts): a generate call decodes in segments of `partial_segment_tokens` new
+    tokens; between segments the rollout worker installs the newest published weights, and the unfinished samples
+    go on from their prompt plus the tokens so far (re-prefilled) on them. Each token records the version that
+    produced it (`token_versions`); the staleness bound holds per token. hf and fast engines, single-turn only."""
+    partial_segment_tokens: int | None = None
+    """partial_rollouts: new tokens per sample per segment; None = ceil(rollout.max_new_tokens / 4) (at most three
+    re-prefills per sample, a newer version taken up within a quarter of the longest response)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,6 +52,8 @@ class AsyncRollouts:
         new version. Version 0 of a fresh run needs no copy (both pools built the same initial weights)."""
         self.weights = [r for refs in self.actor.call_all(_RayWorker.put_weights) for r in refs]
         self.version = version
+        if self.p.segment_tokens is not None:  # partial rollouts: running generations take it at their next segment
+            self.rollout.call_all(_RayWorker.offer_weights, self.weights, version)
         self._fill()
 
     def load_engines(self) -> None:
@@ -79,7 +81,8 @@ class AsyncRollouts:
         per_step = self.p.chunks_per_step
         # k = 0 with one chunk per step draws exactly the seeds of synchronous mode: (step, rank 0).
         req = GenerateRequest(purpose="generate", step=chunk.seq // per_step, seed_slot=chunk.seq % per_step,
-                              temperature=self.cfg.rollout.temperature, min_weights_version=chunk.version)
+                              temperature=self.cfg.rollout.temperature, min_weights_version=chunk.version,
+                              segment_tokens=self.p.segment_tokens)
         rank = chunk.seq % self.rollout.world_size
         gen = batch.pick(*generate_keys(self.cfg.rollout))
         self.refs[chunk.seq] = self.stream.submit(rank, _RayWorker.generate_at, self.weights, chunk.version, gen, req)
@@ -120,7 +123,7 @@ class AsyncRollouts:
             batch = self.finished.pop(chunk.seq)
             self.resume_points.pop(chunk.seq)
             self.ledger.taken(chunk.seq)
-            if self.window.take(chunk, int(batch["weights_version"].min()), trained_version):
+            if self.window.take(chunk, oldest_token_version(batch), trained_version):
                 return batch
             self.dropped_samples += len(batch)
 
@@ -182,6 +185,8 @@ class AsyncRollouts:
              "async/dropped_samples": float(self.dropped_samples), "async/open_groups": float(self.window.open_groups)}
         for j in range(self.p.max_staleness + 1):
             m[f"async/staleness_count/{j}"] = float((stale == j).sum())
+        if self.p.segment_tokens is not None:
+            m.update(token_metrics(batch, trained_version, self.p.max_staleness))
         waited, busy = self.stream.take_times()
         m["async/actor_wait_s"] = waited
         m["async/rollout_busy_s"] = sum(busy)
@@ -201,6 +206,38 @@ class PipelineSampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.pipeline.restore(state)
+
+
+def oldest_token_version(batch: Batch) -> int:
+    """The oldest weights version among the chunk's tokens (a sample's `weights_version` is its oldest token's, and
+    an empty response's the version it was asked at): what the schedule bounds (Window.take)."""
+    versions = batch["weights_version"]
+    if "token_versions" in batch:
+        mask = batch["response_mask"].bool()
+        if mask.any():
+            return min(int(versions.min()), int(batch["token_versions"][mask].min()))
+    return int(versions.min())
+
+
+def token_metrics(batch: Batch, trained_version: int, max_staleness: int) -> dict[str, float]:
+    """Partial rollouts (docs/async.md): staleness per token of the step's responses (histogram J = 0..k, mean,
+    max), the fraction of samples re-prefilled at least once (`continued_frac`) and of samples whose tokens come
+    from more than one version (`mixed_version_frac`)."""
+    mask = batch["response_mask"].bool()
+    versions = batch["token_versions"]
+    stale = (trained_version - versions)[mask]
+    m = {"async/token_staleness_mean": float(stale.float().mean()) if stale.numel() else 0.0,
+         "async/token_staleness_max": float(stale.max()) if stale.numel() else 0.0}
+    for j in range(max_staleness + 1):
+        m[f"async/token_staleness_count/{j}"] = float((stale == j).sum())
+    big = torch.iinfo(versions.dtype).max
+    newest = torch.where(mask, versions, torch.full_like(versions, -1)).max(1).values
+    oldest = torch.where(mask, versions, torch.full_like(versions, big)).min(1).values
+    mixed = (newest > oldest) & mask.any(1)
+    m["async/mixed_version_frac"] = float(mixed.float().mean()) if len(batch) else 0.0
+    if "segments" in batch:
+        m["async/continued_frac"] = float((batch["segments"] > 1).float().mean()) if len(batch) else 0.0
+    return m
 
 
 def _concat(chunks: list[Batch]) -> Batch:

@@ -11,6 +11,11 @@ yet; steps v+1 .. v+k+1 take at least P groups each, oldest first, so it is take
 staleness <= (v+k) - v = k. With k = 0 this is exactly the synchronous schedule: one step's generation, at the
 version the step trains.
 
+Partial rollouts (trainer.partial_rollouts, workers/partial.py) bound staleness per token: a chunk's call may
+install newer weights between its segments, so its tokens carry versions >= the chunk's; the version a step checks
+(`Window.take`) is the chunk's oldest token's, and the argument above, made for the chunk's version, covers every
+token of it. No token older than k versions behind the version trained is trained.
+
 `drop` takes chunks in the order they finish instead, so a slow generation never holds the trainer; one that
 finishes after its version fell more than k behind is dropped (counted), and its room in the window refilled.
 
@@ -77,7 +82,8 @@ class Window:
         return self.outstanding[head] if head in finished else None
 
     def take(self, chunk: Chunk, recorded_version: int, trained_version: int) -> bool:
-        """Removes the chunk from the window; True = train on it, False = dropped as too stale (drop only)."""
+        """Removes the chunk from the window; True = train on it, False = dropped as too stale (drop only).
+        recorded_version: the oldest version the chunk's samples recorded, per token with partial rollouts."""
         del self.outstanding[chunk.seq]
         if trained_version - recorded_version <= self.plan.max_staleness:
             return True
@@ -131,3 +137,11 @@ def staleness_bound_holds(trained_versions: Sequence[int], sample_versions: Sequ
     """The promise, on recorded versions: for every step, every sample's version v has 0 <= trained - v <= k."""
     return all(0 <= t - v <= max_staleness for t, vs in zip(trained_versions, sample_versions, strict=True)
                for v in vs)
+
+
+def token_bound_holds(trained_versions: Sequence[int], token_versions: Sequence[Sequence[Sequence[int]]],
+                      max_staleness: int) -> bool:
+    """The promise per token (partial rollouts): for every step, every token of every trained response was
+    generated at a version v with 0 <= trained - v <= k. token_versions[step][sample] = that sample's tokens'."""
+    return all(0 <= t - v <= max_staleness for t, samples in zip(trained_versions, token_versions, strict=True)
+               for tokens in samples for v in tokens)

@@ -28,6 +28,9 @@ class GenerateRequest:
     seed_slot: int | None = None
     """Which seed of the step this call draws: None = the worker's rank (one call per worker); the async pipeline
     numbers its generate calls within a step (trainer/pipeline.py)."""
+    segment_tokens: int | None = None
+    """trainer.partial_rollouts: decode in segments of this many new tokens per sample, installing the newest
+    published weights between segments (workers/partial.py); None = one engine call for the whole generation."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,9 +1,10 @@
 """Rollout component: a rollout engine over the actor's own model (colocated) or its own copy (separate pool)."""
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager, nullcontext
-from typing import ContextManager, Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -86,8 +87,10 @@ class RolloutComponent:
     def engine_model(self) -> torch.nn.Module:
         return self.model
 
-    def generate(self, batch: Batch, req: GenerateRequest) -> Batch:
-        """batch: prompts/prompt_mask, already repeated n times (plus the per-sample fields with an env)."""
+    def generate(self, batch: Batch, req: GenerateRequest, before_segment: Callable[[], None] | None = None) -> Batch:
+        """batch: prompts/prompt_mask, already repeated n times (plus the per-sample fields with an env).
+        req.segment_tokens (partial rollouts): the call decodes in segments, `before_segment` running before each
+        (the async worker installs the newest published weights there: workers/partial.py)."""
         if self.engine.weights_version < req.min_weights_version:
             raise RuntimeError(f"rollout worker {self.ctx.rank} holds weights version {self.engine.weights_version} "
                                f"but the step needs {req.min_weights_version}: weight sync did not arrive")
@@ -99,6 +102,8 @@ class RolloutComponent:
                     raise ValueError("SamplingParams.max_new_tokens_per_sample limits one generation per sample; "
                                      "with rollout.env an episode's turns are bounded by rollout.env instead")
                 out = self.episodes.play(self.engine, self.tokenizer, batch, params)
+            elif req.segment_tokens is not None:
+                out = self._generate_in_segments(batch, params, req.segment_tokens, before_segment)
             else:
                 gen = self.engine.generate(batch["prompts"], batch["prompt_mask"], params)
                 out = Batch({"responses": gen.responses.cpu(), "response_mask": gen.response_mask.long().cpu(),
@@ -106,13 +111,37 @@ class RolloutComponent:
                             {"finish_reason": list(gen.finish_reasons)})
         if self.engine_holds_copy and self.ctx.cfg.rollout.vllm.enable_sleep:
             self.engine.sleep()  # frees vLLM's GPU memory for the update; the next sync or generate wakes it
-        # The version that actually generated each sample: what staleness is measured from (docs/async.md).
-        out.tensors["weights_version"] = torch.full((len(out),), self.engine.weights_version, dtype=torch.long)
+        if "token_versions" not in out.tensors:
+            # The version that actually generated each sample: what staleness is measured from (docs/async.md).
+            version = self.engine.weights_version
+            out.tensors["weights_version"] = torch.full((len(out),), version, dtype=torch.long)
+            out.tensors["token_versions"] = out["response_mask"].long() * version
         timing = out.meta.setdefault("timing", {})
         timing["generate/rollout"] = time.perf_counter() - t0
         if t_unshard is not None:  # FSDP2: the gather of every layer before decoding
             timing["generate/unshard"] = t_unshard
         return out
+
+    def _generate_in_segments(self, batch: Batch, params: SamplingParams, segment_tokens: int,
+                              before_segment: Callable[[], None] | None) -> Batch:
+        """Partial rollouts (workers/partial.py): per token the version of the weights that sampled it; per sample
+        the oldest (its first segment's) as `weights_version` and how many segments it took (`segments`)."""
+        from fleetrl.engines.hf import _stop_string_end
+        from fleetrl.workers.partial import SEGMENT_LOG_ENV, generate_in_segments, segment_logger
+
+        stops = params.stop_strings
+        stop_end = (lambda toks: _stop_string_end(self.tokenizer, toks, stops)) if stops else None  # noqa: E731
+        path = os.environ.get(SEGMENT_LOG_ENV)
+        log = segment_logger(path, self.ctx.rank, self.engine_model()) if path else None
+        gen, versions, segments = generate_in_segments(self.engine, batch["prompts"], batch["prompt_mask"], params,
+                                                       segment_tokens, self.tokenizer.pad_token_id, before_segment,
+                                                       stop_end, log)
+        now = torch.full((len(batch),), self.engine.weights_version, dtype=torch.long)
+        first = torch.where(gen.response_mask[:, 0].bool(), versions[:, 0], now) if versions.shape[1] else now
+        return Batch({"responses": gen.responses, "response_mask": gen.response_mask.long(),
+                      "rollout_logprobs": gen.logprobs.float(), "token_versions": versions,
+                      "weights_version": first.long(), "segments": segments},
+                     {"finish_reason": list(gen.finish_reasons)})
 
     def engine_view(self) -> ContextManager:
         """The weights the engine decodes with: the model's, or with FLEETRL_FAULT_SYNC_SKIP some stale ones."""

@@ -138,7 +138,7 @@ class Worker:
             self.actor.engine.offload_optimizer()  # synchronous: the memory must be free before the engine runs
         t1 = time.perf_counter()
         try:
-            out = self._need("rollout").generate(batch, req)
+            out = self._need("rollout").generate(batch, req, self.install_newest)
         finally:
             t2 = time.perf_counter()
             if offload:
@@ -260,6 +260,10 @@ class Worker:
 
     def weights_version(self) -> int:
         return self._need("rollout").engine.weights_version
+
+    def install_newest(self) -> None:
+        """Partial rollouts: between two segments of a generate call, the newest weights published to this worker
+        (async: cluster/group.py `offer_weights`); nothing here, where no weights are published to a worker."""
 
     # ------------------------------------------------------------------ checkpoints
     def _engines(self) -> dict:
