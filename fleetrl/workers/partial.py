@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -151,8 +152,6 @@ def generate_in_segments(engine: RolloutEngine, prompts: torch.Tensor, prompt_ma
     index = 0
     while rows := state.active():
         if index and delay > 0:
-            import time
-
             time.sleep(delay)
         if before_segment is not None:
             before_segment()

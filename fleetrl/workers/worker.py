@@ -138,7 +138,11 @@ class Worker:
             self.actor.engine.offload_optimizer()  # synchronous: the memory must be free before the engine runs
         t1 = time.perf_counter()
         try:
-            out = self._need("rollout").generate(batch, req, self.install_newest)
+            rollout = self._need("rollout")
+            # partial rollouts: the newest published weights between segments (a plain call keeps the 2-argument
+            # form, which benchmarks wrap: bench/longtail.py)
+            out = rollout.generate(batch, req) if req.segment_tokens is None else \
+                rollout.generate(batch, req, self.install_newest)
         finally:
             t2 = time.perf_counter()
             if offload:
