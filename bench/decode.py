@@ -187,7 +187,16 @@ def phase_profile(fn) -> dict:  # noqa: ANN001
 
 def checks(args) -> dict:
     """Correctness on this device: exact vs HF in fp32 (both kernel sets), bf16 logprob gaps at a real shape."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     out: dict = {}
     kernel_sets = ("triton", "torch") if args.device.startswith("cuda") else ("torch",)
@@ -199,7 +208,10 @@ def checks(args) -> dict:
     ids = torch.randint(1, 1000, (12, width), generator=g)
     mask = (torch.arange(width)[None] >= width - lens[:, None]).long()
     ids, mask = (ids * mask).to(args.device), mask.to(args.device)
-    for arch, cls, cfg_cls in (("llama", LlamaForCausalLM, LlamaConfig), ("qwen2", Qwen2ForCausalLM, Qwen2Config)):
+    # Qwen3Config's default head_dim (128) is not hidden / heads (32) here: q_norm/k_norm over a wider head
+    families = (("llama", LlamaForCausalLM, LlamaConfig), ("qwen2", Qwen2ForCausalLM, Qwen2Config),
+                ("qwen3", Qwen3ForCausalLM, Qwen3Config), ("mistral", MistralForCausalLM, MistralConfig))
+    for arch, cls, cfg_cls in families:
         torch.manual_seed(0)
         with torch.device(args.device):
             model = cls(cfg_cls(**small)).eval()

@@ -104,7 +104,7 @@ def read_spec(model: torch.nn.Module) -> DecoderSpec:
     if sliding:
         raise ValueError(f"{cfg.model_type} config.use_sliding_window=True with max_window_layers="
                          f"{getattr(cfg, 'max_window_layers', None)} gives layers {sliding} sliding-window attention "
-                         f"(config.layer_types), which FastRolloutEngine does not implement; set "
+                         "(config.layer_types), which FastRolloutEngine does not implement; set "
                          "config.use_sliding_window=False (or max_window_layers >= num_hidden_layers) or use the "
                          "'hf' engine")
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
