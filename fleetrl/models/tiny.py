@@ -1,7 +1,7 @@
 """A word-level tokenizer and a randomly initialised causal LM small enough for unit tests and the quickstart.
 
 Nothing is downloaded: the tokenizer is built in memory from a word list, and the model is a 2-layer Llama
-(or Qwen2) whose weights depend only on `seed`. `save_tiny` writes both to a folder that the ordinary
+(or Qwen2, Qwen3, Mistral: `tiny:arch=...`) whose weights depend only on `seed`. `save_tiny` writes both to a folder that the ordinary
 `load_causal_lm` / `load_tokenizer` read back, so code paths that load from disk are exercised too.
 """
 from __future__ import annotations
@@ -30,7 +30,9 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
 
 
 def build_tiny_tokenizer(vocab: list[str] | None = None) -> PreTrainedTokenizerFast:
@@ -80,7 +82,11 @@ def build_tiny_model(
     if hidden_size % num_heads:
         raise ValueError(f"tiny model hidden_size={hidden_size} must be a multiple of num_heads={num_heads}")
     config_cls, model_cls = ARCHS[arch]
+    # Qwen3Config defaults head_dim to 128 whatever the hidden size; a tiny model keeps hidden / heads, as the others.
+    # (Mistral's default sliding window, 4096 tokens, is wider than any tiny sequence.)
+    head_dim = {"head_dim": hidden_size // num_heads} if arch == "qwen3" else {}
     config = config_cls(
+        **head_dim,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,

@@ -67,6 +67,12 @@ def test_qwen2_arch_and_bad_arch(tok):
         build_tiny_model(tok, arch="gpt9")
 
 
+@pytest.mark.parametrize("arch, cls", [("qwen3", "Qwen3ForCausalLM"), ("mistral", "MistralForCausalLM")])
+def test_qwen3_and_mistral_archs_keep_hidden_over_heads(tok, arch, cls):
+    model = build_tiny_model(tok, arch=arch, hidden_size=32, num_heads=2)
+    assert type(model).__name__ == cls and model.model.layers[0].self_attn.q_proj.out_features == 32
+
+
 def test_save_tiny_loads_through_auto_classes(tmp_path, tok):
     save_tiny(tmp_path, seed=3)
     loaded_tok = AutoTokenizer.from_pretrained(tmp_path)
