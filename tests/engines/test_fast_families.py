@@ -46,7 +46,7 @@ def family_model(arch: str, eos: int | None = None, **config: object) -> torch.n
 
 
 def engine(model: torch.nn.Module, eos: int | None = None, **kw) -> FastRolloutEngine:
-    return FastRolloutEngine(model, CharTokenizer(eos), device="cpu", **{"max_seq_len": 64, **kw})
+    return FastRolloutEngine(model, CharTokenizer(eos), **{"device": "cpu", "max_seq_len": 64, **kw})
 
 
 def test_the_models_have_what_the_tests_claim() -> None:
@@ -111,8 +111,10 @@ def test_bf16_cast_copy_carries_the_per_head_norms() -> None:
     """An fp32 model decoded in bf16 (cast.py): q_norm / k_norm are cast with every other weight."""
     model = family_model("qwen3")
     eng = engine(model, compute_dtype=torch.bfloat16, keep_cast=True)
-    out = eng.generate(*left_padded([4, 7]), SamplingParams(max_new_tokens=4, temperature=0.0))
-    assert out.response_mask.all()
+    ids, mask = left_padded([4, 7])
+    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=6, temperature=1.0, seed=5))
+    # bf16 rounding only (~5e-3 here); skipping the q/k norms costs ~0.3 even in fp32
+    assert float((out.logprobs - training_logprobs(model, ids, mask, out, 1.0)).abs().max()) < 0.05
     assert eng._fwd.shadow.layers[1].qn.dtype == torch.bfloat16
     assert torch.equal(eng._fwd.shadow.layers[1].qn, model.model.layers[1].self_attn.q_norm.weight.bfloat16())
 
@@ -184,4 +186,4 @@ def test_bf16_graphs_decode_qwen3_with_a_128_head_dim() -> None:
     eng = engine(model.cuda(), device="cuda", compute_dtype=torch.bfloat16)
     out = eng.generate(ids.cuda(), mask.cuda(), SamplingParams(max_new_tokens=8, temperature=1.0, seed=5))
     ref = training_logprobs(model, ids.cuda(), mask.cuda(), out, 1.0)
-    assert float((out.logprobs - ref).abs().max()) < 0.1
+    assert float((out.logprobs - ref).abs().max()) < 0.05  # the CPU bf16 torch path: ~5e-3
