@@ -38,7 +38,7 @@ LONGEST_FIRST = (
     "tests/engines/test_fast_sampling.py",           # ~60: Triton sampler in the interpreter
     "tests/integration/test_async_ops.py",
     "tests/integration/test_async_resume.py",       # ~110 alone: 2 x (straight run, killed CLI run, resume)
-    "tests/integration/test_partial_rollouts.py",   # ~110 alone: 5 logged steps, 80 GRPO steps
+    "tests/integration/test_partial_rollouts.py",   # ~70 alone: 5 logged steps (hf), 80 GRPO steps (fast)
     "tests/integration/test_watchdog.py",
     "tests/integration/test_reward_model.py",
     "tests/integration/test_lora.py",
