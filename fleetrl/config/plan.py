@@ -127,7 +127,14 @@ class Plan:
     """The dtype the LoRA actor keeps its frozen adapted weights in: actor.autocast's when it is on and no colocated
     HF `generate` reads them. Under autocast every matmul rounds those weights to that dtype anyway, so the update
     is the same bit for bit and the weights take half the memory (SmolLM2 LoRA: 2.9 -> 2.2 GiB peak RSS, bench/
-    RESULTS.md); the HF engine's `generate` runs outside autocast and would meet mixed dtypes. None = model.dtype."""
+    RESULTS.md); the HF engine's `generate` runs outside autocast and would meet mixed dtypes. Without autocast
+    (actor.lora.frozen_dtype=auto, model.dtype=float32): bfloat16, widened at each matmul (`lora_base_upcast`).
+    None = model.dtype."""
+    gradient_checkpointing: bool = False
+    """model.gradient_checkpointing with auto resolved: on for an actor trained on a CPU without autocast."""
+    lora_base_upcast: bool = False
+    """The frozen LoRA base is stored in lora_base_dtype but computed in model.dtype, each layer's weight widened at
+    its matmul (models/lora.py UpcastLinear): no autocast to round it (a CPU without native bf16)."""
     pipeline: AsyncPlan | None = None
     """trainer.mode=async: the overlap window (config/async_plan.py); None = synchronous steps."""
     actor_autocast: str = "off"
@@ -193,6 +200,8 @@ class Plan:
             "correction_in_loss": self.correction_in_loss,
             "ref_from_actor": self.ref_from_actor,
             "lora_base_dtype": self.lora_base_dtype,
+            "lora_base_upcast": self.lora_base_upcast,
+            "gradient_checkpointing": self.gradient_checkpointing,
             "actor_autocast": self.actor_autocast,
             "rollout_compute_dtype": self.rollout_compute_dtype,
             "flash_attention_ok": self.flash_attention_ok,
@@ -290,6 +299,8 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 val_batch_prompts=val_prompts, pipeline=pipeline,
                 action_mask="loss_mask" if cfg.rollout.env else "response_mask",
                 ref_from_actor=ref_from_actor, lora_base_dtype=lora_base,
+                lora_base_upcast=lora_base is not None and autocast == "off",
+                gradient_checkpointing=_checkpointing(cfg, autocast, on_gpu=gpu["actor"]),
                 actor_autocast=autocast, rollout_compute_dtype=compute_dtype, flash_attention_ok=flash_ok,
                 sync_check=(check_syncs and cfg.rollout.sync_check.source == "probe"),
                 step_sync_check=(check_syncs and cfg.rollout.sync_check.source == "step"))
@@ -321,12 +332,22 @@ def _attention_passes(cfg: RunConfig, autocast: str, lora_base: str | None, *, r
     return passes, flash_ok
 
 
+def _checkpointing(cfg: RunConfig, autocast: str, on_gpu: bool) -> bool:
+    """Plan.gradient_checkpointing: model.gradient_checkpointing, auto = on where the update's activations are
+    fp32 on a CPU (actor.autocast resolved off there): memory, not speed, is what a CPU run runs out of."""
+    g = cfg.model.gradient_checkpointing
+    return g is True or (g == "auto" and not on_gpu and autocast == "off")
+
+
 def _lora_base_dtype(cfg: RunConfig, autocast: str, colocated: bool) -> str | None:
-    """Plan.lora_base_dtype: the autocast dtype for a LoRA actor trained under autocast (`autocast`: actor.autocast
-    resolved), unless the HF engine generates with the actor's own modules (colocated) or the model is already in
-    a narrower dtype."""
-    if cfg.actor.lora is None or autocast == "off" or cfg.model.dtype != "float32":
+    """Plan.lora_base_dtype (actor.lora.frozen_dtype=auto with model.dtype=float32): the autocast dtype for a LoRA
+    actor trained under autocast (`autocast`: actor.autocast resolved), unless the HF engine generates with the
+    actor's own modules (colocated: transformers' generate runs outside autocast); bf16 storage widened at each
+    matmul without autocast (Plan.lora_base_upcast: the HF engine's generate calls those same modules, so it runs)."""
+    if cfg.actor.lora is None or cfg.actor.lora.frozen_dtype == "model" or cfg.model.dtype != "float32":
         return None
+    if autocast == "off":
+        return "bfloat16"
     if colocated and cfg.rollout.engine == "hf":
         return None
     return autocast

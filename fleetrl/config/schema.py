@@ -23,7 +23,11 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the trained model."""
     trust_remote_code: bool = False
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["auto"] = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (one more forward per
+    update). auto: on where the actor trains on a CPU without autocast (no native bf16), whose fp32 activations
+    are twice the size: the SmolLM2 LoRA job's update peak on such a CPU falls by ~1 GiB (bench/RESULTS.md "RSS
+    over a whole run, third round"). Plan.gradient_checkpointing."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,6 +261,11 @@ class LoraConfig:
     targets: tuple[str, ...] = ("all-linear",)
     """Linear modules to adapt, by name or name suffix (`q_proj`, `self_attn.v_proj`); `all-linear` = every
     linear layer except the LM head, which may be added by name (`lm_head`) when it is not tied to the embedding."""
+    frozen_dtype: Literal["auto", "model"] = "auto"
+    """The frozen base weights of the adapted layers with model.dtype=float32 (Plan.lora_base_dtype). auto: in
+    bf16, half the memory; under actor.autocast the update rounds them to it anyway, without autocast (a CPU without
+    native bf16) each layer's weight is widened to fp32 at its matmul, so the base is rounded once, as a bf16
+    checkpoint's is. model: kept in model.dtype (an exactly fp32 base, twice the memory)."""
 
 
 @dataclass(frozen=True, kw_only=True)

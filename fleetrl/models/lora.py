@@ -88,19 +88,52 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, gradient_checkpointing: boo
     return wrapped
 
 
-def store_frozen_base(model: nn.Module, dtype: torch.dtype) -> int:
-    """Keeps the frozen weight of every adapted layer in `dtype` (the autocast dtype of the update): autocast
-    rounds it to that dtype at each matmul anyway, so the function trained is unchanged while the weights take
-    half the memory and no per-matmul cast is made. Biases, norms, embeddings and adapters keep their dtype.
-    Returns the bytes saved. Every forward of the model must then run under autocast (or through a merge:
-    `merged_weight` returns the adapters' dtype)."""
+def store_frozen_base(model: nn.Module, dtype: torch.dtype, *, upcast: bool = False) -> int:
+    """Keeps the frozen weight of every adapted layer in `dtype`. Returns the bytes saved. Biases, norms,
+    embeddings and adapters keep their dtype; a merge (`merged_weight`) returns the adapters' dtype.
+
+    upcast=False: `dtype` is the autocast dtype of the update, which rounds the weight to it at each matmul anyway,
+    so the function trained is unchanged while the weights take half the memory and no per-matmul cast is made;
+    every forward must then run under autocast. upcast=True (no autocast: a CPU without native bf16): the weight
+    is stored in `dtype` and widened to the activations' dtype one layer at a time (`UpcastLinear`), so the
+    matmuls stay in the model's precision on a base rounded once, as a bf16 checkpoint's is."""
     saved = 0
     for layer in lora_layers(model).values():
         base = layer.get_base_layer()
         if base.weight.dtype != dtype:
             saved += base.weight.numel() * (base.weight.element_size() - torch.finfo(dtype).bits // 8)
             base.weight = nn.Parameter(base.weight.detach().to(dtype), requires_grad=False)
+        if upcast and type(base) is nn.Linear:
+            # The class, not the module, is swapped: the object peft, hooks and FSDP hold stays the same one.
+            base.__class__ = UpcastLinear
     return saved
+
+
+class _UpcastLinearFn(torch.autograd.Function):
+    """y = x·W'ᵀ + b with W' = W widened to x's dtype, for a frozen narrow W. Backward saves W itself, not W':
+    autograd would otherwise keep every layer's widened copy alive from the forward to the backward, which
+    undoes the saving (the whole model's weights again, at their peak)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.to(grad.dtype), None, None  # W and b are frozen (LoRA trains the adapters only)
+
+
+class UpcastLinear(nn.Linear):
+    """A frozen linear layer whose weight is stored narrower than its input (store_frozen_base(upcast=True))."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
+            return super().forward(x)
+        assert not (self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)), \
+            "UpcastLinear computes no gradient for its weight or bias: it is for a frozen LoRA base"
+        return _UpcastLinearFn.apply(x, self.weight, self.bias)
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -37,7 +37,7 @@ def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.n
             and m.path.startswith(shapes.RANDOM_PREFIX))
     model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, key="model.path",
                            device="meta" if meta else ctx.device())
-    if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+    if ctx.plan.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
     if trainable and ctx.cfg.actor.compile and ctx.cfg.actor.forward == "hf" and ctx.device().type == "cuda":
         # Per decoder layer rather than the whole model: one graph reused by every layer, no graph breaks
@@ -139,9 +139,9 @@ class ActorComponent:
         # require grad, so the optimiser below holds state for them alone.
         lora = ctx.cfg.actor.lora
         self.adapters = None if lora is None else apply_lora(
-            model, lora, gradient_checkpointing=ctx.cfg.model.gradient_checkpointing)
+            model, lora, gradient_checkpointing=ctx.plan.gradient_checkpointing)
         if ctx.plan.lora_base_dtype is not None:
-            store_frozen_base(model, dtype_of(ctx.plan.lora_base_dtype))
+            store_frozen_base(model, dtype_of(ctx.plan.lora_base_dtype), upcast=ctx.plan.lora_base_upcast)
         t0 = time.perf_counter()
         self.engine = TrainingEngine(model, ctx.cfg.actor.optim, dist_info=dist_info,
                                      total_optimizer_steps=ctx.plan.actor_optimizer_steps, device=ctx.device(),

@@ -11,7 +11,7 @@ import torch
 from fleetrl.batch import Batch
 from fleetrl.engines.protocol import RolloutEngine, SamplingParams
 from fleetrl.engines.sync_check import SyncProbe, sample_probe
-from fleetrl.models.hf import load_run_tokenizer
+from fleetrl.models.hf import load_run_tokenizer, release_freed_memory
 from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.messages import GenerateRequest
 from fleetrl.workers.sync_faults import StaleView, skipped_patterns
@@ -75,6 +75,13 @@ class RolloutComponent:
         # vLLM keeps its own copy of the weights: a colocated sync streams the actor's tensors into it (and checks
         # it); the hf and fast engines read the actor's parameters in place, so only the version moves.
         self.engine_holds_copy = ctx.cfg.rollout.engine == "vllm"
+        # A CPU engine colocated with the trainer hands its KV cache back after each call, and glibc the pages the
+        # call's temporaries freed (a LoRA merge, logits): otherwise the update runs on top of them and the step's
+        # peak is generate's memory plus the update's (SmolLM2 LoRA on an AVX2 CPU: 0.72 GiB held through the
+        # update, bench/RESULTS.md "RSS over a whole run, third round"). Re-allocating costs ~1 ms on CPU; CUDA
+        # graphs would be lost, so a GPU engine keeps its buffers.
+        self.release_after_call = (ctx.cfg.rollout.engine == "fast" and ctx.device().type == "cpu"
+                                   and ctx.plan.rollout_colocated)
         # FLEETRL_FAULT_SYNC_SKIP (tests of the policy check): a colocated engine that never sees some parameters'
         # updates; a separate pool's skip is in Worker.install_weights.
         self.stale = StaleView(model) if skipped_patterns() and ctx.plan.rollout_colocated else None
@@ -111,6 +118,9 @@ class RolloutComponent:
                             {"finish_reason": list(gen.finish_reasons)})
         if self.engine_holds_copy and self.ctx.cfg.rollout.vllm.enable_sleep:
             self.engine.sleep()  # frees vLLM's GPU memory for the update; the next sync or generate wakes it
+        elif self.release_after_call:
+            self.engine.sleep()
+            release_freed_memory(collect=False)
         if "token_versions" not in out.tensors:
             # The version that actually generated each sample: what staleness is measured from (docs/async.md).
             version = self.engine.weights_version

@@ -90,7 +90,7 @@ def test_summary_lists_every_derived_number():
                       "micro_batch_size_per_rank", "micro_batch_tokens", "use_critic", "use_ref", "rollout_colocated", "recompute_logprobs",
                       "total_steps", "actor_optimizer_steps", "critic_optimizer_steps", "rollout_engine",
                       "val_batch_prompts", "kl_into_score", "rollout_correction", "correction_in_loss", "action_mask",
-                      "ref_from_actor", "lora_base_dtype", "actor_autocast", "rollout_compute_dtype", "pipeline",
+                      "ref_from_actor", "lora_base_dtype", "lora_base_upcast", "gradient_checkpointing", "actor_autocast", "rollout_compute_dtype", "pipeline",
                       "rank_local", "flash_attention_ok"}
     assert s["samples_per_step"] == 32 and s["roles"]["actor"] == "main (dp=1)"
     assert s["rollout_engine"] == {"max_batch": 32, "max_seq_len": 512 + 64}  # schema defaults

@@ -36,14 +36,31 @@ def test_explicit_settings_are_kept_and_a_slow_bf16_is_warned_about(cpu_bf16, ca
     assert "set rollout.compute_dtype=auto" in caplog.text
 
 
-@pytest.mark.parametrize("native, autocast, compute, lora_base", [
-    (True, "bfloat16", "bfloat16", "bfloat16"),
-    (False, "off", "model", None),  # no autocast, so the LoRA base stays in model.dtype (fp32)
+@pytest.mark.parametrize("native, autocast, compute, lora_base, upcast, recompute", [
+    (True, "bfloat16", "bfloat16", "bfloat16", False, False),
+    # no autocast: the LoRA base stored in bf16 and widened at each matmul; fp32 activations recomputed
+    (False, "off", "model", "bfloat16", True, True),
 ])
-def test_plan_resolves_auto_for_the_cpu_pool(cpu_bf16, native, autocast, compute, lora_base):
+def test_plan_resolves_auto_for_the_cpu_pool(cpu_bf16, native, autocast, compute, lora_base, upcast, recompute):
     cpu_bf16(native)
     cfg = load_config("examples/quickstart.yaml", ["actor.autocast=auto", "rollout.compute_dtype=auto",
-                                                   "actor.lora.rank=4", "rollout.engine=fast"])
+                                                   "actor.lora.rank=4", "rollout.engine=fast",
+                                                   "model.gradient_checkpointing=auto"])
     plan = derive_plan(cfg)
     assert (plan.actor_autocast, plan.rollout_compute_dtype, plan.lora_base_dtype) == (autocast, compute, lora_base)
+    assert (plan.lora_base_upcast, plan.gradient_checkpointing) == (upcast, recompute)
     assert cfg.actor.autocast == "auto"  # the config keeps what the user wrote; the Plan holds what runs
+
+
+def test_gradient_checkpointing_auto_is_on_only_for_an_fp32_update_on_a_cpu():
+    from fleetrl.config import derive_plan, load_config
+
+    def plan(*o: str):
+        return derive_plan(load_config(None, ["model.gradient_checkpointing=auto", *o]))
+
+    assert plan("actor.autocast=off").gradient_checkpointing  # fp32 activations on a CPU: recomputed
+    assert not plan("actor.autocast=bfloat16").gradient_checkpointing  # bf16 activations: kept
+    assert not plan("actor.autocast=off", "model.gradient_checkpointing=false").gradient_checkpointing
+    assert plan("actor.autocast=bfloat16", "model.gradient_checkpointing=true").gradient_checkpointing
+    gpu = plan("actor.autocast=off", "cluster.pools={main: {gpus_per_worker: 1}}")
+    assert not gpu.gradient_checkpointing  # a GPU's memory is another matter: the user says so

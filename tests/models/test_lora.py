@@ -220,6 +220,69 @@ def test_plan_keeps_the_lora_base_in_the_autocast_dtype_unless_hf_generates_with
     lora = ["actor.lora.rank=4", "actor.autocast=bfloat16", "rollout.engine=fast"]
     assert derive_plan(load_config(None, lora)).lora_base_dtype == "bfloat16"
     assert derive_plan(load_config(None, [*lora[:2], "rollout.engine=hf"])).lora_base_dtype is None  # colocated
-    assert derive_plan(load_config(None, lora[:1])).lora_base_dtype is None  # no autocast
+    assert not derive_plan(load_config(None, lora)).lora_base_upcast
+    off = derive_plan(load_config(None, [lora[0], "actor.autocast=off"]))  # no autocast: bf16 storage, fp32 matmuls
+    assert (off.lora_base_dtype, off.lora_base_upcast) == ("bfloat16", True)
+    hf = derive_plan(load_config(None, [lora[0], "actor.autocast=off", "rollout.engine=hf"]))  # its modules widen
+    assert (hf.lora_base_dtype, hf.lora_base_upcast) == ("bfloat16", True)
+    exact = derive_plan(load_config(None, [lora[0], "actor.autocast=off", "actor.lora.frozen_dtype=model"]))
+    assert (exact.lora_base_dtype, exact.lora_base_upcast) == (None, False)
+    assert derive_plan(load_config(None, [*lora, "actor.lora.frozen_dtype=model"])).lora_base_dtype is None
     assert derive_plan(load_config(None, [*lora, "model.dtype=bfloat16"])).lora_base_dtype is None
     assert derive_plan(load_config(None, lora[1:])).lora_base_dtype is None  # no LoRA
+
+
+def _lora_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = load_causal_lm(TINY)
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    for name, p in model.named_parameters():  # B starts at zero; give it values so every path is exercised
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def test_a_widened_bf16_base_trains_the_fp32_model_of_the_rounded_weights():
+    # store_frozen_base(upcast=True) without autocast: the same loss and adapter gradients as an fp32 model whose
+    # frozen weights were rounded to bf16 once (widening bf16 -> fp32 is exact), in half the bytes.
+    from fleetrl.models.lora import UpcastLinear, lora_layers, store_frozen_base
+
+    def loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        loss = -_logp(model).sum()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]
+
+    rounded = _lora_model()
+    with torch.no_grad():
+        for layer in lora_layers(rounded).values():
+            w = layer.get_base_layer().weight
+            w.copy_(w.bfloat16().float())
+    widened = _lora_model()
+    assert store_frozen_base(widened, torch.bfloat16, upcast=True) == 2 * (4 * 64 * 64 + 3 * 64 * 128) * 2
+    bases = [layer.get_base_layer() for layer in lora_layers(widened).values()]
+    assert all(type(b) is UpcastLinear and b.weight.dtype == torch.bfloat16 for b in bases)
+    (ref_loss, ref_grads), (loss, grads) = loss_and_grads(rounded), loss_and_grads(widened)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-5)
+    for a, b in zip(ref_grads, grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_widened_base_keeps_no_fp32_copy_of_its_weights_for_backward():
+    # The memory the narrow base saves would come back at the step's peak if autograd kept each layer's widened
+    # weight from forward to backward: nothing saved for backward is an fp32 tensor of a projection's shape.
+    from fleetrl.models.lora import lora_layers, store_frozen_base
+
+    model = _lora_model()
+    store_frozen_base(model, torch.bfloat16, upcast=True)
+    shapes = {tuple(layer.get_base_layer().weight.shape) for layer in lora_layers(model).values()}
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = -_logp(model).sum()
+    loss.backward()
+    weights = [t for t in saved if tuple(t.shape) in shapes]
+    assert weights and all(t.dtype == torch.bfloat16 for t in weights)
