@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import longtail  # noqa: E402
 from bench.common import matmul_params, peak_bf16_tflops  # noqa: E402
 from fleetrl.config import derive_plan, load_config  # noqa: E402
-from fleetrl.models.shapes import QWEN25, RANDOM_PREFIX  # noqa: E402
+from fleetrl.models.shapes import QWEN3, QWEN25, RANDOM_PREFIX, shape_config  # noqa: E402
 from fleetrl.trainer.run import run_plan  # noqa: E402
 
 PHASES = ("generate", "score", "logprobs", "update_actor", "sync")
@@ -283,15 +283,16 @@ def _update_mfu(stats: list[dict], update_s: float, model_path: str, device: str
     step (its tokens_real metric; fewer than the rollout's with shared prompts), else the rollout's."""
     peak = peak_bf16_tflops(device)
     name = model_path.removeprefix(RANDOM_PREFIX)
-    if not stats or not peak or update_s <= 0 or name not in QWEN25:
+    if not stats or not peak or update_s <= 0 or name not in (*QWEN25, *QWEN3):
         return None
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    cfg = Qwen2Config(**QWEN25[name], vocab_size=151936)
+    cfg = shape_config(name)
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
         n, head = matmul_params(model), model.get_output_embeddings().weight.numel()
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
     flops = statistics.mean(update_flops(n - head, head, attn, body_tokens or s["tokens"], s["response_tokens"],
                                          s["sum_len_sq"]) for s in stats)
     return round(flops / update_s / gpus / (peak * 1e12), 4)

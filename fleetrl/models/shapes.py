@@ -34,6 +34,14 @@ QWEN25: dict[str, dict[str, Any]] = {
     "qwen2.5-test": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, tie_word_embeddings=True),
 }
+# config.json of Qwen/Qwen3-{0.6B,8B} (published dimensions): the same BPE and vocabulary as Qwen2.5, so the
+# `qwen:` tokenizer serves them; head_dim is 128 at both sizes (not hidden / heads at 0.6B).
+QWEN3: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, tie_word_embeddings=False),
+}
 QWEN_SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
 # Qwen2's pre-tokenizer split pattern (tokenizer.json of Qwen2.5), a fact of the format.
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -46,20 +54,16 @@ def random_model(spec: str, dtype: torch.dtype, seed: int = 0, device: torch.dev
     """The shape `spec` names with weights drawn from `seed` on `device` (default: torch's default device). On the
     meta device it stays there, unallocated: `meta_init.materialize` draws it later (after FSDP2 sharding, each rank
     only its shard). The weights depend on the seed and the device type, not on the rank or the world size."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     name = spec[len(RANDOM_PREFIX):]
-    if name not in QWEN25:
-        raise ValueError(f"model.path={spec!r}: unknown shape {name!r}; known: {', '.join(QWEN25)}")
-    cfg = Qwen2Config(**QWEN25[name], vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                      max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151645)
+    cfg = shape_config(name, spec)
+    cls = _causal_lm_class(cfg)
 
-    def build() -> Qwen2ForCausalLM:
+    def build() -> torch.nn.Module:
         default = torch.get_default_dtype()
         # In the target dtype from the start, buffers included, as an eager build in that dtype would be.
         torch.set_default_dtype(dtype if dtype.is_floating_point else default)
         try:
-            return Qwen2ForCausalLM(cfg).to(dtype)
+            return cls(cfg).to(dtype)
         finally:
             torch.set_default_dtype(default)
 
@@ -70,6 +74,26 @@ def random_model(spec: str, dtype: torch.dtype, seed: int = 0, device: torch.dev
     if device.type != "meta":
         materialize(model, device)
     return model
+
+
+def shape_config(name: str, spec: str | None = None):
+    """The transformers config of the random: shape `name` (a Qwen2Config or Qwen3Config)."""
+    from transformers import Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=151643,
+                  eos_token_id=151645)
+    if name in QWEN25:
+        return Qwen2Config(**QWEN25[name], **common, max_position_embeddings=32768)
+    if name in QWEN3:
+        return Qwen3Config(**QWEN3[name], **common, max_position_embeddings=40960)
+    raise ValueError(f"model.path={spec or RANDOM_PREFIX + name!r}: unknown shape {name!r}; known: "
+                     f"{', '.join([*QWEN25, *QWEN3])}")
+
+
+def _causal_lm_class(cfg: Any) -> type:
+    from transformers import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM if cfg.model_type == "qwen3" else Qwen2ForCausalLM
 
 
 @lru_cache(maxsize=1)

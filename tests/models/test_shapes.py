@@ -23,6 +23,19 @@ def test_random_shape_param_count():
     assert next(model.parameters()).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("shape, count", [
+    # Qwen3: per layer q [h, 128 heads], k and v [h, 128 kv heads], o, q_norm and k_norm (128 each), the MLP and two
+    # norms, plus the embedding and the final norm; 0.6B ties its head, 8B does not (counted twice).
+    ("qwen3-0.6b", 28 * (1024 * 2048 * 2 + 2 * 1024 * 1024 + 256 + 3 * 1024 * 3072 + 2048) + 151936 * 1024 + 1024),
+    ("qwen3-8b", 36 * (4096 * 4096 * 2 + 2 * 4096 * 1024 + 256 + 3 * 4096 * 12288 + 8192) + 2 * 151936 * 4096 + 4096),
+])
+def test_random_qwen3_shapes_count_their_published_parameters(shape, count):
+    with torch.device("meta"):
+        model = load_causal_lm(f"random:{shape}", dtype="bfloat16")
+    assert model.config.model_type == "qwen3" and model.config.head_dim == 128
+    assert sum(p.numel() for p in model.parameters()) == count  # 596,049,920 and 8,190,735,360
+
+
 def test_unknown_shape():
     with pytest.raises(ValueError, match="unknown shape 'qwen9'"):
         load_causal_lm("random:qwen9")
