@@ -37,8 +37,12 @@ def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.n
             and m.path.startswith(shapes.RANDOM_PREFIX))
     model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, key="model.path",
                            device="meta" if meta else ctx.device())
-    if ctx.plan.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable()
+    if ctx.plan.gradient_checkpointing:
+        # transformers 5 renamed it (the old name warns that it will go in v6); older versions have only the old one
+        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+            model, "gradient_checkpointing_enable", None)
+        if enable is not None:
+            enable()
     if trainable and ctx.cfg.actor.compile and ctx.cfg.actor.forward == "hf" and ctx.device().type == "cuda":
         # Per decoder layer rather than the whole model: one graph reused by every layer, no graph breaks
         # from the HF wrapper code, and the fast rollout engine (own forward) is unaffected.
