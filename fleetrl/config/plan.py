@@ -280,6 +280,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     autocast = resolve_precision("actor.autocast", cfg.actor.autocast, gpu["actor"], "off")
     compute_dtype = resolve_compute_dtype(cfg, gpu["rollout"])
     check_vllm(cfg, gpu["rollout"])
+    _check_tensor_parallel(cfg, world["rollout"])
     ref_from_actor = use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"]
     lora_base = _lora_base_dtype(cfg, autocast, colocated=roles["rollout"] == roles["actor"])
     passes, flash_ok = _attention_passes(cfg, autocast, lora_base, recompute=recompute,
@@ -304,6 +305,32 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 actor_autocast=autocast, rollout_compute_dtype=compute_dtype, flash_attention_ok=flash_ok,
                 sync_check=(check_syncs and cfg.rollout.sync_check.source == "probe"),
                 step_sync_check=(check_syncs and cfg.rollout.sync_check.source == "step"))
+
+
+def _check_tensor_parallel(cfg: RunConfig, rollout_world: int) -> None:
+    """rollout.tensor_parallel: the fast engine's, dividing the rollout workers into engines of k ranks and the
+    model's heads, KV heads and MLP width into k shards (where the shape is known without loading the model:
+    `random:` and `tiny:`; a checkpoint's is checked by the engine). Then refused: the engine runs TP
+    (engines/fast/tp.py) but the rollout worker group is not yet wired into TP groups."""
+    from fleetrl.config.tensor_parallel import known_shape, tp_shape_problem
+
+    k = cfg.rollout.tensor_parallel
+    if k == 1:
+        return
+    if cfg.rollout.engine != "fast":
+        raise ConfigError(f"rollout.tensor_parallel={k} is the fast engine's; rollout.engine={cfg.rollout.engine} "
+                          "runs one device per engine: set rollout.engine=fast or rollout.tensor_parallel=1")
+    if rollout_world % k:
+        raise ConfigError(f"rollout.tensor_parallel={k} does not divide the {rollout_world} rollout workers (one "
+                          f"engine per {k} of them); use a divisor of {rollout_world} ({_divisors(rollout_world)}) or "
+                          "change the rollout pool's nodes/workers_per_node")
+    shape = known_shape(cfg.model.path)
+    problem = None if shape is None else tp_shape_problem(k, *shape)
+    if problem is not None:
+        raise ConfigError(f"rollout.tensor_parallel={k} cannot split model.path={cfg.model.path}: {problem}")
+    raise ConfigError(f"rollout.tensor_parallel={k}: tensor-parallel rollout runs at engine level only so far "
+                      "(FastRolloutEngine tp_group), the rollout workers are not grouped into engines yet; set "
+                      "rollout.tensor_parallel=1")
 
 
 def _attention_passes(cfg: RunConfig, autocast: str, lora_base: str | None, *, recompute: bool,

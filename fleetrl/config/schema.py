@@ -138,6 +138,11 @@ class RolloutConfig:
     SmolLM2 bf16 vs fp32). auto: bfloat16 on a GPU or a CPU with native bf16 matmuls (AVX512-BF16 or AMX), else the
     model's (Plan.rollout_compute_dtype). The hf engine decodes in model.dtype: auto means that there, and another
     dtype is refused."""
+    tensor_parallel: int = 1
+    """fast engine: ranks per engine, tensor parallel (engines/fast/tp.py: heads, MLP columns and KV cache split k
+    ways, two all-reduces per layer). The model's heads, KV heads and MLP width must be multiples of it, and the
+    rollout world size too (rollout workers / k engines). So far only the engine runs it (FastRolloutEngine's
+    tp_group): the rollout workers are not grouped yet, so the Plan refuses anything but 1."""
     val_temperature: float = 0.0
     """0 = greedy validation."""
     val_n: int = 1

@@ -1,0 +1,67 @@
+"""rollout.tensor_parallel in the Plan (plan.py `_check_tensor_parallel`, config/tensor_parallel.py): the engine, the
+rollout world and the model's shape must divide by it, each refusal one line naming the numbers; then any k > 1 is
+refused, as the rollout workers are not grouped into TP engines yet (the engine itself runs it: engines/fast/tp.py)."""
+from __future__ import annotations
+
+import pytest
+
+from fleetrl.config import derive_plan, load_config
+from fleetrl.config.load import ConfigError
+from fleetrl.config.tensor_parallel import known_shape, tp_degrees, tp_shape_problem
+
+TWO_WORKERS = ["cluster.backend=ray", "cluster.pools.main.workers_per_node=2", "rollout.engine=fast"]
+
+
+def plan(*overrides: str):
+    return derive_plan(load_config("examples/quickstart.yaml", list(overrides)))
+
+
+def refused(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        plan(*overrides)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_one_is_the_default_and_plans_as_before():
+    assert plan().config.rollout.tensor_parallel == 1
+    assert plan(*TWO_WORKERS, "rollout.tensor_parallel=1").world["rollout"] == 2
+
+
+def test_below_one_is_a_range_error():
+    assert "rollout.tensor_parallel must be >= 1" in refused("rollout.tensor_parallel=0")
+
+
+def test_another_engine_is_refused():
+    msg = refused("rollout.tensor_parallel=2", "cluster.backend=ray", "cluster.pools.main.workers_per_node=2")
+    assert "rollout.engine=hf" in msg and "rollout.engine=fast" in msg
+
+
+def test_the_rollout_world_must_divide():
+    msg = refused("rollout.engine=fast", "rollout.tensor_parallel=2")
+    assert "does not divide the 1 rollout workers" in msg
+
+
+def test_the_models_heads_must_divide():
+    msg = refused(*TWO_WORKERS, "rollout.tensor_parallel=4", "cluster.pools.main.workers_per_node=4",
+                  "model.path=random:qwen2.5-0.5b", "model.tokenizer=qwen:")
+    assert "num_heads=14 and num_kv_heads=2 not divisible by the tensor-parallel degree 4" in msg
+    assert msg.endswith("degrees that divide this model: 1, 2")
+    msg = refused(*TWO_WORKERS, "rollout.tensor_parallel=2", "model.path=tiny:hidden=96,heads=3")
+    assert "num_heads=3 and num_kv_heads=3 not divisible" in msg and msg.endswith("model: 1")  # 3 splits the heads, not intermediate=128
+
+
+def test_a_valid_degree_is_refused_at_the_worker_group():
+    msg = refused(*TWO_WORKERS, "rollout.tensor_parallel=2")
+    assert "engine level only so far" in msg and "rollout.tensor_parallel=1" in msg
+
+
+def test_shapes_and_degrees():
+    assert known_shape("random:qwen2.5-7b") == (28, 4, 18944)
+    assert known_shape("random:qwen3-8b") == (32, 8, 12288)
+    assert known_shape("tiny:") == (4, 4, 128)
+    assert known_shape("tiny:heads=8,intermediate=96") == (8, 8, 96)
+    assert known_shape("tiny:bogus") is None and known_shape("/some/checkpoint") is None
+    assert tp_degrees(28, 4, 18944) == [1, 2, 4]
+    assert tp_shape_problem(2, 28, 4, 18944) is None
+    assert "intermediate_size=100" in tp_shape_problem(8, 32, 8, 100)
