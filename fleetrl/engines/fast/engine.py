@@ -22,6 +22,15 @@ Memory: the KV cache is sized by the calls, not by the limits: the first call al
 (a bucket: powers of two to 128, then steps of 64, at most `max_batch`) and positions for its longest prompt +
 max_new_tokens (rounded up to SEQ_GRANULE, at most `max_seq_len`); a later call that needs more grows it. At the
 limits' defaults (256 x 2048) a full cache of a 30-layer model would take 24 GB in fp32 on a laptop that needs 100 MB.
+
+Tensor parallel (`tp_group`, tp.py): k processes, each with the whole HF model, run one engine together; each
+holds 1/k of the attention heads, MLP columns and KV cache, and the forward all-reduces twice per layer. Every
+rank is called with the same prompts and parameters and returns the same output: the LM head is replicated, the
+all-reduce hands every rank the same sums, and the sampler is a pure function of (logits, seed, request, token
+index), with the seed broadcast from the group's rank 0; so every rank samples the same tokens and makes the same
+scheduling decisions (whose collectives must match), with no per-token broadcast. Two checks turn a divergence
+into an error instead of a hang or silent drift: the inputs are compared across the group at the start of each
+call and the sampled tokens at its end (one small all-gather each).
 """
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ from fleetrl.engines.fast.graphs import DecodeGraphs, batch_buckets, bucket_for
 from fleetrl.engines.fast.postprocess import assemble_output
 from fleetrl.engines.fast.sampling import SamplerKey, is_stop, sample
 from fleetrl.engines.fast.state import MAX_STOP_IDS, SlotBuffers, device_index
+from fleetrl.engines.fast.tp import TensorParallel, check_shape, intermediate_size, local_spec
 from fleetrl.engines.protocol import GenerationOutput, SamplingParams, response_limits
 
 KV_BUCKET = 256  # kv-length granularity of the torch-path graphs (the Triton path reads exact lengths)
@@ -73,13 +83,18 @@ class FastRolloutEngine:
     parameters re-allocated, LoRA adapters merged (each call; the merges are rounded to compute_dtype and kept
     at fixed addresses too). A caller that changes the weights in place by other means assigns
     `weights_version` before the next `generate`.
+    tp_group: a torch.distributed process group of k ranks that run this engine together, tensor parallel
+    (module docstring; gloo for a CPU engine, NCCL for CUDA); every rank constructs its engine with its own group
+    handle and calls `generate` with the same arguments. None (or one rank): no tensor parallelism. The model's
+    num_heads, num_kv_heads and intermediate size must be multiples of k (ValueError naming the k that would do).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: object | None, *, device: torch.device | str,
                  max_batch: int = 256, max_seq_len: int = 2048, use_cuda_graphs: bool | None = None, seed: int = 0,
                  kernels: Literal["auto", "triton", "torch"] = "auto", sync_every: int = 16,
                  prefill_tokens: int = 32768, compute_dtype: torch.dtype | None = None,
-                 fuse_projections: bool | None = None, keep_cast: bool | None = None) -> None:
+                 fuse_projections: bool | None = None, keep_cast: bool | None = None,
+                 tp_group: object | None = None) -> None:
         if max_batch < 1 or max_seq_len < 2 or sync_every < 1:
             raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, sync_every >= 1; got {max_batch}, "
                              f"{max_seq_len}, {sync_every}")
@@ -91,6 +106,12 @@ class FastRolloutEngine:
         self.max_batch, self.max_seq_len, self.sync_every = max_batch, max_seq_len, sync_every
         self.prefill_tokens = max(prefill_tokens, max_seq_len)
         self.model_dtype = self._check_weights()
+        self.tp = TensorParallel.of(tp_group)
+        # The shape this rank computes and caches: its heads / KV heads under tp (self.spec stays the model's).
+        self.local_spec = self.spec
+        if self.tp is not None:
+            check_shape(self.spec, intermediate_size(model_weights(model)), self.tp.size)
+            self.local_spec = local_spec(self.spec, self.tp.size)
         self.dtype = compute_dtype or self.model_dtype
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         if self.use_cuda_graphs and self.device.type != "cuda":
@@ -101,10 +122,10 @@ class FastRolloutEngine:
             raise ValueError(f"compute_dtype={self.dtype} differs from the model's {self.model_dtype}, and a copy cast "
                              "per call would move under the captured CUDA graphs; pass keep_cast=None or True (one "
                              "copy kept at fixed addresses), or use_cuda_graphs=False")
-        self.kernels = _load_kernels(kernels, self.device, self.spec, self.dtype)
+        self.kernels = _load_kernels(kernels, self.device, self.local_spec, self.dtype)
         fuse = self.device.type == "cuda" if fuse_projections is None else fuse_projections
-        self._fwd = DecoderForward(model, self.spec, max_seq_len, self.dtype, self.device, self.kernels, fuse,
-                                   keep_cast=self.keep_cast)
+        self._fwd = DecoderForward(model, self.local_spec, max_seq_len, self.dtype, self.device, self.kernels, fuse,
+                                   keep_cast=self.keep_cast, tp=self.tp)
         self._eos = _eos_ids(model, tokenizer)
         self._rng = torch.Generator().manual_seed(seed)
         self._buckets = batch_buckets(max_batch)  # per-allocation buckets are these, capped at its slot count
@@ -120,6 +141,8 @@ class FastRolloutEngine:
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> GenerationOutput:
         rows = self._unpad(prompts, prompt_mask, params)
         limits = response_limits(params, len(rows)).tolist()
+        if self.tp is not None:
+            self._check_same("the prompts, prompt masks and token limits", _fingerprint(rows, limits, params))
         # Copies kept at fixed addresses between calls: where captured graphs hold them, or asked for (keep_cast).
         fixed = self.use_cuda_graphs or self.keep_cast
         # LoRA actor: merged W + ΔW of the adapted projections (before graphs are captured, which read them),
@@ -130,6 +153,8 @@ class FastRolloutEngine:
         self._prepare_weights()  # before any graph is captured: graphs read what it sets up
         try:
             tok, lp, counts = self._run(buf, rows, limits, key)
+            if self.tp is not None:
+                self._check_same("the sampled tokens", [_checksum(tok), *counts])
         finally:
             if not self.keep_cast:
                 self._fwd.shadow = None  # a per-call copy is freed now; a kept one stays for the next call
@@ -212,7 +237,7 @@ class FastRolloutEngine:
             if self._buf is not None:  # grow to cover both the old and the new need
                 slots, positions = max(slots, self._buf.slots), max(positions, self._buf.seq_len)
             self._buf = None  # drop the old cache before allocating the new one
-            self._buf = SlotBuffers.allocate(self.spec, slots, positions, self.dtype, self.device)
+            self._buf = SlotBuffers.allocate(self.local_spec, slots, positions, self.dtype, self.device)
             self._graphs = None
         fingerprint = weight_fingerprint(model_weights(self.model))
         if fingerprint != self._fingerprint:  # parameters re-allocated: graphs hold stale addresses
@@ -221,6 +246,19 @@ class FastRolloutEngine:
         if self.use_cuda_graphs and self._graphs is None:
             self._graphs = DecodeGraphs(self._step, self._buf.step_state())
         return self._buf
+
+    def _check_same(self, what: str, values: list[int]) -> None:
+        """Raises on every rank of the tp group unless `values` are the same on all of them (one all-gather)."""
+        mine = torch.tensor(values, dtype=torch.long, device=self.device)
+        # the lengths first (all_gather needs one size on every rank); every rank sees the same and decides alike
+        sizes = self.tp.gather(torch.tensor([mine.numel()], dtype=torch.long, device=self.device))
+        if len({int(n) for n in sizes}) == 1:
+            everyone = self.tp.gather(mine)
+            if all(torch.equal(v, everyone[0]) for v in everyone):
+                return
+        raise RuntimeError(f"tensor-parallel rank {self.tp.rank} of {self.tp.size}: {what} differ between the ranks "
+                           "of the group; every rank must call generate with the same prompts and SamplingParams (and "
+                           "hold the same weights)")
 
     def _unpad(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> list[torch.Tensor]:
         if prompts.shape != prompt_mask.shape or prompts.dim() != 2:
@@ -250,6 +288,8 @@ class FastRolloutEngine:
         greedy = params.temperature == 0
         buf.temperature.fill_(1.0 if greedy else params.temperature)
         seed = params.seed if params.seed is not None else int(torch.randint(1 << 22, (1,), generator=self._rng))
+        if self.tp is not None:  # one stream for the group: rank 0's (engines built with per-rank seeds agree too)
+            seed = self.tp.broadcast_int(seed, self.device)
         buf.seed.fill_(seed % (1 << 22))
         return SamplerKey(True) if greedy else SamplerKey(False, params.top_k, params.top_p)
 
@@ -420,6 +460,22 @@ class FastRolloutEngine:
         buf.pos[:nb] += live
         buf.tokens[:nb] = tok
         buf.done[:nb] = was_done | is_stop(tok, buf.stop_ids) | (buf.count[:nb] >= buf.limit[:nb])
+
+
+def _fingerprint(rows: list[torch.Tensor], limits: list[int], params: SamplingParams) -> list[int]:
+    """What the ranks of a tp group must agree on before a call: the prompts' tokens and every token limit."""
+    lengths = [len(r) for r in rows]
+    flat = torch.cat(rows).long()
+    return [len(rows), *lengths, _checksum(flat), *limits, int(params.temperature * 1e6), params.top_k,
+            int(params.top_p * 1e6), len(params.stop_token_ids), sum(params.stop_token_ids)]
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """A position-weighted sum of an integer tensor (wrapping in int64): equal tensors give equal sums, and a
+    swapped, shifted or changed token changes it."""
+    flat = t.flatten().long()
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.long, device=flat.device) * 0x9E3779B1 + 1
+    return int((flat * weights).sum())
 
 
 def _same_prompt_groups(admit: list[tuple[int, int]], rows: list[torch.Tensor]) -> list[list[tuple[int, int]]]:

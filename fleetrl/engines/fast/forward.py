@@ -9,6 +9,12 @@ gap to the training forward unchanged, bench/RESULTS.md tenth round).
 
 Cache layout: k/v [layers, slots, kv_heads, max_seq_len, head_dim]; slot s holds its sequence from position 0
 (prompts are un-padded on admission, so no position offsets are needed).
+
+Tensor parallel (`tp`, tp.py): the forward runs on one rank's shard, with `spec` that rank's shape (its query and
+KV heads; hidden whole) and its weights the shard views of the model's (`_base`). The two row-parallel products
+(attention output, MLP down) go through `_row_linear`: the rank's partial sum, one all-reduce, then the bias. Both
+the torch and the Triton paths take it (the kernels read the heads from `spec` and the strides from the tensors);
+the Triton path at k > 1 is written, not yet run on a GPU. With tp None every op is the k = 1 code, unchanged.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from fleetrl.engines.fast.arch import (
 )
 from fleetrl.engines.fast.cast import CastCopy
 from fleetrl.engines.fast.fused import FusedProjections
+from fleetrl.engines.fast.tp import TensorParallel, shard_weights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -50,12 +57,13 @@ def head_norms(q: torch.Tensor, k: torch.Tensor, lw: Any, eps: float) -> tuple[t
     return rms_norm(q, lw.qn, eps), rms_norm(k, lw.kn, eps)
 
 
-def _mlp(h: torch.Tensor, lw: Any) -> torch.Tensor:
+def _mlp(h: torch.Tensor, lw: Any, down: Any = F.linear) -> torch.Tensor:
+    """down: the down projection's (x, w, b) -> y (the forward's `_row_linear` under tensor parallelism)."""
     if lw.wgu is not None:
         gate, up = F.linear(h, lw.wgu, lw.bgu).chunk(2, dim=-1)
     else:
         gate, up = F.linear(h, lw.wg, lw.bg), F.linear(h, lw.wu, lw.bu)
-    return F.linear(F.silu(gate) * up, lw.wd, lw.bd)
+    return down(F.silu(gate) * up, lw.wd, lw.bd)
 
 
 def _qkv(h: torch.Tensor, lw: Any, spec: DecoderSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,11 +76,17 @@ def _qkv(h: torch.Tensor, lw: Any, spec: DecoderSpec) -> tuple[torch.Tensor, tor
 
 class DecoderForward:
     def __init__(self, model: torch.nn.Module, spec: DecoderSpec, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device, kernels: Any | None, fuse: bool = False, keep_cast: bool = False) -> None:
+                 device: torch.device, kernels: Any | None, fuse: bool = False, keep_cast: bool = False,
+                 tp: TensorParallel | None = None) -> None:
         """dtype: the compute dtype. keep_cast: hold the copy of the weights in it between calls, at fixed addresses
-        (cast.py; the engine's choice under CUDA graphs when dtype is not the model's) instead of per call."""
+        (cast.py; the engine's choice under CUDA graphs when dtype is not the model's) instead of per call.
+        tp: this rank's tensor-parallel group (tp.py); `spec` is then the rank's shape (tp.local_spec)."""
         self.model = model
         self.spec = spec
+        self.tp = tp
+        # tp: this rank's views of the (merged) weights, kept between steps and rebuilt after `mark_stale`, a new
+        # merge or `release_copies` (views: they read the model's memory, so an in-place change shows at once).
+        self._shards: ModelWeights | None = None
         self.dtype = dtype
         self.kernels = kernels
         self.scale = spec.head_dim ** -0.5
@@ -97,20 +111,37 @@ class DecoderForward:
     def weights(self) -> ModelWeights:
         if self.shadow is not None:
             return self.shadow
-        base = self.merged if self.merged is not None else model_weights(self.model)
+        base = self._base()
         return base if self.fused is None else self.fused.attach(base)
+
+    def _base(self) -> ModelWeights:
+        """The (merged) weights before fusing or casting: the whole model's, or under tp this rank's shard views."""
+        base = self.merged if self.merged is not None else model_weights(self.model)
+        if self.tp is None:
+            return base
+        if self._shards is None:
+            self._shards = shard_weights(base, self.tp.rank, self.tp.size)
+        return self._shards
+
+    def _row_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """A row-parallel projection (attention output, MLP down): under tp the rank's partial product, summed over
+        the group by one all-reduce, then the bias, added once; F.linear otherwise."""
+        if self.tp is None:
+            return F.linear(x, w, b)
+        y = self.tp.all_reduce(F.linear(x, w))
+        return y if b is None else y.add_(b)
 
     def refresh_fused(self) -> None:
         """Brings the fused copies up to the current (merged) weights when the engine marked them stale; a
         LoRA merge is new at every call, so it is always copied."""
         if self.fused is not None and (self.fused.stale or self.merged is not None):
-            self.fused.refresh(self.merged if self.merged is not None else model_weights(self.model))
+            self.fused.refresh(self._base())
 
     def refresh_cast(self) -> None:
         """Points `shadow` at the kept compute-dtype copy (cast.py), brought up to the current (merged) weights in
         place where the engine marked it stale; the fused buffers are allocated in the compute dtype and refreshed
         as in `refresh_fused`, and read as they are: no unfused copy of q/k/v and gate/up is made."""
-        base = self.merged if self.merged is not None else model_weights(self.model)
+        base = self._base()
         if self.fused is not None:
             if self.fused.stale or self.merged is not None:
                 self.fused.refresh(base, self.dtype)
@@ -119,13 +150,14 @@ class DecoderForward:
 
     def mark_stale(self) -> None:
         """The weights changed: the fused and kept cast copies are refreshed before the next decode reads them."""
+        self._shards = None  # the model's tensors may be new ones (FSDP2 unshards each call)
         for copy in (self.fused, self.cast):
             if copy is not None:
                 copy.stale = True
 
     def release_copies(self) -> None:
         """Frees the fused and kept cast copies (captured graphs that read them must be dropped too)."""
-        self.shadow = None
+        self.shadow, self._shards = None, None
         for copy in (self.fused, self.cast):
             if copy is not None:
                 copy.release()
@@ -135,11 +167,12 @@ class DecoderForward:
         buffers of the previous merge, so their addresses stay fixed for captured CUDA graphs. `dtype`: round
         each merge to it at once (the call decodes in it)."""
         self.merged = merged_weights(self.model, self.merged if keep else None, dtype=dtype)
+        self._shards = None  # sliced from this merge (or from the model's tensors) at the next read
 
     def cast_for_call(self, dtype: torch.dtype) -> None:
         """Takes a `dtype` copy of the model's current (merged) weights (they change in place between calls)."""
         self.shadow = None  # free the previous copy first
-        base = self.merged if self.merged is not None else model_weights(self.model)
+        base = self._base()
         if self.fused is not None:  # cast straight into fused buffers of this call: no unfused copy is made
             call = FusedProjections(fold_norms=self.fused.fold_norms)
             call.refresh(base, dtype)
@@ -169,8 +202,8 @@ class DecoderForward:
             v_cache[layer][slots, :, :plen] = v
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=s.group > 1)
-            x = x + F.linear(o.transpose(1, 2).reshape(n, plen, -1), lw.wo, lw.bo)
-            x = x + _mlp(rms_norm(x, lw.ln2, s.rms_eps), lw)
+            x = x + self._row_linear(o.transpose(1, 2).reshape(n, plen, -1), lw.wo, lw.bo)
+            x = x + _mlp(rms_norm(x, lw.ln2, s.rms_eps), lw, self._row_linear)
         last = x[torch.arange(n, device=x.device), lengths - 1]
         return F.linear(rms_norm(last, w.norm, s.rms_eps), w.lm_head)
 
@@ -205,8 +238,8 @@ class DecoderForward:
             o = F.scaled_dot_product_attention(
                 q.view(nb, s.num_kv_heads, s.group, s.head_dim), k_cache[layer, :nb, :, :kv_len],
                 v_cache[layer, :nb, :, :kv_len], attn_mask=mask, scale=self.scale)
-            x = x + F.linear(o.reshape(nb, -1), lw.wo, lw.bo)
-            x = x + _mlp(rms_norm(x, lw.ln2, s.rms_eps), lw)
+            x = x + self._row_linear(o.reshape(nb, -1), lw.wo, lw.bo)
+            x = x + _mlp(rms_norm(x, lw.ln2, s.rms_eps), lw, self._row_linear)
         return F.linear(rms_norm(x, w.norm, s.rms_eps), w.lm_head)
 
     def _decode_triton(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
@@ -228,12 +261,12 @@ class DecoderForward:
                 q, k, v = self._linears(h, (lw.wq, lw.bq), (lw.wk, lw.bk), (lw.wv, lw.bv))
             o = kn.decode_attention(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s, self.scale,
                                     lead, shared, q_norm=lw.qn, k_norm=lw.kn)
-            kn.add_rmsnorm(x, F.linear(o, lw.wo, lw.bo), lw.ln2, s.rms_eps, h)
+            kn.add_rmsnorm(x, self._row_linear(o, lw.wo, lw.bo), lw.ln2, s.rms_eps, h)
             if lw.wgu is not None:
                 gate, up = F.linear(h, lw.wgu, lw.bgu).chunk(2, dim=-1)
             else:
                 gate, up = self._linears(h, (lw.wg, lw.bg), (lw.wu, lw.bu))
-            delta = F.linear(kn.silu_mul(gate, up), lw.wd, lw.bd)
+            delta = self._row_linear(kn.silu_mul(gate, up), lw.wd, lw.bd)
         kn.add_rmsnorm(x, delta, w.norm, s.rms_eps, h)
         return F.linear(h, w.lm_head)
 
@@ -249,16 +282,24 @@ class DecoderForward:
             q, k, v = torch.mm(x, lw.wqkv.t()).split((s.num_heads * s.head_dim, kv, kv), dim=-1)
             o = kn.decode_attention(q, k, v, self.cos, self.sin, pos, k_cache[layer], v_cache[layer], s, self.scale,
                                     lead, shared, norm_of=x, bias=lw.bqkv, q_norm=lw.qn, k_norm=lw.kn)
-            x.addmm_(o, lw.wo.t())
+            self._add_row(x, o, lw.wo)
             if lw.bo is not None:
                 x.add_(lw.bo)
             gate, up = torch.mm(x, lw.wgu.t()).chunk(2, dim=-1)
-            x.addmm_(kn.silu_mul(gate, up, norm_of=x, eps=s.rms_eps, bias=lw.bgu), lw.wd.t())
+            self._add_row(x, kn.silu_mul(gate, up, norm_of=x, eps=s.rms_eps, bias=lw.bgu), lw.wd)
             if lw.bd is not None:
                 x.add_(lw.bd)
         h = torch.empty_like(x)
         kn.add_rmsnorm(x, None, w.norm, s.rms_eps, h)
         return F.linear(h, w.lm_head)
+
+    def _add_row(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
+        """x += a @ w.T for a row-parallel w: inside the GEMM (cuBLAS beta = 1) at k = 1; under tp the partial
+        product is all-reduced first, then added (adding it into x on every rank would count x k times)."""
+        if self.tp is None:
+            x.addmm_(a, w.t())
+        else:
+            x.add_(self.tp.all_reduce(torch.mm(a, w.t())))
 
     def _linears(self, h: torch.Tensor, *wb: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
         """[h @ w.T + b for each (w, b)]; all but the first on the side stream when there is one."""
