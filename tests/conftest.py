@@ -36,7 +36,7 @@ LONGEST_FIRST = (
     "tests/integration/test_learning_ratio.py",      # ~160: PPO+GAE 120 steps, GSPO 80 steps
     "tests/integration/test_last_checkpoint.py",     # ~135 alone: Ctrl-C of a `fleetrl train` subprocess, its resume
     "tests/engines/test_fast_sampling.py",           # ~60: Triton sampler in the interpreter
-    "tests/engines/test_fast_tp.py",                 # ~70: 5 x two spawned gloo processes (tensor parallel)
+    "tests/engines/test_fast_tp.py",                 # ~85: 6 x two spawned gloo processes (tensor parallel)
     "tests/integration/test_async_ops.py",
     "tests/integration/test_async_resume.py",       # ~110 alone: 2 x (straight run, killed CLI run, resume)
     "tests/integration/test_partial_rollouts.py",   # ~70 alone: 5 logged steps (hf), 80 GRPO steps (fast)

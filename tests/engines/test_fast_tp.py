@@ -4,7 +4,7 @@ and sampled tokens (continuous batching, shared-prompt prefill, per-sample limit
 1e-5, and the same change after an optimiser step once the engines are told the version moved; fused projections are
 built from the shards and LoRA merges sliced after merging; Qwen3 with biases checks that the row-parallel o bias is
 added once. The refusals: a shape k does not divide, and ranks called with
-different prompts. Each slow test spawns two processes: ~13 s on 2 cores, ~70 s for the module."""
+different prompts. Each slow test spawns two processes: ~13 s on 2 cores, ~85 s for the module."""
 from __future__ import annotations
 
 import socket
@@ -114,6 +114,36 @@ def _check_equals_one_rank(rank: int, arch: str, fuse: bool, lora: bool) -> None
                                             ("qwen3_bias_tied", True, False)])
 def test_tp2_equals_tp1(arch: str, fuse: bool, lora: bool) -> None:
     _on_two_ranks(_check_equals_one_rank, arch, fuse, lora)
+
+
+def _check_compute_dtype(rank: int) -> None:
+    """bf16 decode of the fp32 model from shard copies: cast per call (CPU's default) and kept at fixed addresses
+    (keep_cast, what CUDA graphs read), refreshed after a weight change. Rounding differs from TP=1's (each rank's
+    partial product is rounded to bf16 before the sum), so log-probs are held to 0.05, as other bf16 tests are."""
+    model = tiny_model("qwen2")
+    ids, mask = left_padded([5, 2, 8])
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
+    for keep in (False, True):
+        one, tp = _engines(model, None, compute_dtype=torch.bfloat16, keep_cast=keep)
+        seen = []
+        for version in (0, 1):
+            if version:
+                with torch.no_grad():  # in place, then the version moves
+                    for p in model.parameters():
+                        p.mul_(1.5)
+                one.weights_version = tp.weights_version = version
+            a, b = one.generate(ids, mask, params), tp.generate(ids, mask, params)
+            first = a.responses[:, 0] == b.responses[:, 0]
+            assert first.all(), (a.responses, b.responses)
+            torch.testing.assert_close(a.logprobs[:, 0], b.logprobs[:, 0], atol=0.05, rtol=0)
+            seen.append(b.logprobs[:, 0])
+        assert (seen[0] - seen[1]).abs().max() > 0.1, "the TP engine's bf16 copy follows the new weights"
+        assert (tp._fwd.cast is not None) == keep
+
+
+@pytest.mark.slow
+def test_compute_dtype_copies_are_sharded() -> None:
+    _on_two_ranks(_check_compute_dtype)
 
 
 def _check_refusals(rank: int) -> None:
