@@ -310,7 +310,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
 def _check_tensor_parallel(cfg: RunConfig, rollout_world: int) -> None:
     """rollout.tensor_parallel: the fast engine's, dividing the rollout workers into engines of k ranks and the
     model's heads, KV heads and MLP width into k shards (where the shape is known without loading the model:
-    `random:` and `tiny:`; a checkpoint's is checked by the engine). Then refused: the engine runs TP
+    `random:`, `tiny:`, a local folder's config.json; a hub model's is checked by the engine). Then refused: the engine runs TP
     (engines/fast/tp.py) but the rollout worker group is not yet wired into TP groups."""
     from fleetrl.config.tensor_parallel import known_shape, tp_shape_problem
 

@@ -28,8 +28,8 @@ def tp_shape_problem(k: int, num_heads: int, num_kv_heads: int, intermediate: in
 
 def known_shape(model_path: str) -> tuple[int, int, int] | None:
     """(num_heads, num_kv_heads, intermediate_size) of a `random:` or `tiny:` model, read from their specs without
-    building anything; None for a checkpoint (its config.json is read when the model loads, and the engine checks
-    there)."""
+    building anything, or of a local checkpoint folder from its config.json; None otherwise (a hub id, a GGUF file:
+    the engine checks when the model loads)."""
     if model_path.startswith("random:"):
         from fleetrl.models.shapes import QWEN3, QWEN25
 
@@ -49,4 +49,16 @@ def known_shape(model_path: str) -> tuple[int, int, int] | None:
         except ValueError:  # a bad spec is model.path's own error, reported where it is checked
             return None
         return (kw["num_heads"], kw["num_heads"], kw["intermediate_size"])  # tiny: kv heads = heads
-    return None
+    return _folder_shape(model_path)
+
+
+def _folder_shape(model_path: str) -> tuple[int, int, int] | None:
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+        heads = int(cfg["num_attention_heads"])
+        return heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"])
+    except (OSError, ValueError, KeyError, TypeError):  # not a folder, or not a decoder config this reads
+        return None

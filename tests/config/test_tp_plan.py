@@ -56,6 +56,14 @@ def test_a_valid_degree_is_refused_at_the_worker_group():
     assert "engine level only so far" in msg and "rollout.tensor_parallel=1" in msg
 
 
+def test_a_checkpoint_folders_shape_is_read_from_its_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 12, "num_key_value_heads": 2, '
+                                          '"intermediate_size": 8960, "model_type": "qwen2"}')
+    assert known_shape(str(tmp_path)) == (12, 2, 8960)
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    assert known_shape(str(tmp_path)) is None
+
+
 def test_shapes_and_degrees():
     assert known_shape("random:qwen2.5-7b") == (28, 4, 18944)
     assert known_shape("random:qwen3-8b") == (32, 8, 12288)
