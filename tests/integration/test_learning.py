@@ -17,6 +17,9 @@ CASES = {
     # 80 on an AVX-512 Intel host, 0.71 at 80 and 1.0 from 100 on an AVX2-only AMD one (2026-11-26), so 120 steps.
     "reinforce_plus_plus": ("examples/quickstart.yaml", ("trainer.total_steps=120", "trainer.val_every=20",
                                                          "algorithm.advantage=reinforce_plus_plus")),
+    # The Qwen3 family (q/k norms) through its fast paths: the fast rollout engine and the native training forward.
+    "grpo_qwen3_fast_native": ("examples/quickstart.yaml", (*COMMON, "model.path=tiny:hidden=128,arch=qwen3",
+                                                            "rollout.engine=fast", "actor.forward=native")),
     "ppo_gae_critic": ("examples/ppo_tiny.yaml", ("trainer.total_steps=120",)),
     # GSPO with the paper's clip range and aggregation; two mini-batches per step, so the second update is
     # off-policy and the sequence-level ratio and clipping are actually exercised (on-policy the ratio is 1).
