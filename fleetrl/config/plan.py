@@ -309,10 +309,10 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
 
 def _check_tensor_parallel(cfg: RunConfig, rollout_world: int) -> None:
     """rollout.tensor_parallel: the fast engine's, dividing the rollout workers into engines of k ranks and the
-    model's heads, KV heads and MLP width into k shards (where the shape is known without loading the model:
-    `random:`, `tiny:`, a local folder's config.json; a hub model's is checked by the engine). Then refused: the engine runs TP
+    model's heads, KV heads and MLP width into k shards (where the config layer can read the shape: a local folder's
+    config.json; any other model's is checked by the engine when it builds). Then refused: the engine runs TP
     (engines/fast/tp.py) but the rollout worker group is not yet wired into TP groups."""
-    from fleetrl.config.tensor_parallel import known_shape, tp_shape_problem
+    from fleetrl.config.tensor_parallel import folder_shape, tp_shape_problem
 
     k = cfg.rollout.tensor_parallel
     if k == 1:
@@ -324,7 +324,7 @@ def _check_tensor_parallel(cfg: RunConfig, rollout_world: int) -> None:
         raise ConfigError(f"rollout.tensor_parallel={k} does not divide the {rollout_world} rollout workers (one "
                           f"engine per {k} of them); use a divisor of {rollout_world} ({_divisors(rollout_world)}) or "
                           "change the rollout pool's nodes/workers_per_node")
-    shape = known_shape(cfg.model.path)
+    shape = folder_shape(cfg.model.path)
     problem = None if shape is None else tp_shape_problem(k, *shape)
     if problem is not None:
         raise ConfigError(f"rollout.tensor_parallel={k} cannot split model.path={cfg.model.path}: {problem}")

@@ -26,33 +26,10 @@ def tp_shape_problem(k: int, num_heads: int, num_kv_heads: int, intermediate: in
             f"{', '.join(map(str, tp_degrees(num_heads, num_kv_heads, intermediate)))}")
 
 
-def known_shape(model_path: str) -> tuple[int, int, int] | None:
-    """(num_heads, num_kv_heads, intermediate_size) of a `random:` or `tiny:` model, read from their specs without
-    building anything, or of a local checkpoint folder from its config.json; None otherwise (a hub id, a GGUF file:
-    the engine checks when the model loads)."""
-    if model_path.startswith("random:"):
-        from fleetrl.models.shapes import QWEN3, QWEN25
-
-        shape = {**QWEN25, **QWEN3}.get(model_path[len("random:"):])
-        if shape is None:
-            return None  # an unknown shape is refused where the model loads, with the known ones listed
-        return (shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"])
-    if model_path.startswith("tiny:"):
-        import inspect
-
-        from fleetrl.models.hf import _parse_tiny
-        from fleetrl.models.tiny import build_tiny_model
-
-        defaults = {name: p.default for name, p in inspect.signature(build_tiny_model).parameters.items()}
-        try:
-            kw = {**defaults, **_parse_tiny(model_path)}
-        except ValueError:  # a bad spec is model.path's own error, reported where it is checked
-            return None
-        return (kw["num_heads"], kw["num_heads"], kw["intermediate_size"])  # tiny: kv heads = heads
-    return _folder_shape(model_path)
-
-
-def _folder_shape(model_path: str) -> tuple[int, int, int] | None:
+def folder_shape(model_path: str) -> tuple[int, int, int] | None:
+    """(num_heads, num_kv_heads, intermediate_size) of a local checkpoint folder, from its config.json without loading
+    anything; None for anything else (a hub id, a GGUF file, a `random:` or `tiny:` model: those shapes live in the
+    models layer, `models/shapes.py known_shape`, and the engine checks them when it builds, engines/fast/tp.py)."""
     import json
     from pathlib import Path
 

