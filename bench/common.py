@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fleetrl.models.shapes import QWEN25
+from fleetrl.models.shapes import QWEN3, QWEN25
 
 # Published Qwen2.5 dimensions live in fleetrl/models/shapes.py (the trainer's `random:` models use them too).
 QWEN2_SHAPES: dict[str, dict[str, Any]] = {
@@ -24,19 +24,14 @@ QWEN2_SHAPES: dict[str, dict[str, Any]] = {
                  intermediate_size=256, vocab_size=1000, tie_word_embeddings=True),
 }
 
-# config.json of Qwen/Qwen3-0.6B, Qwen/Qwen3-8B and mistralai/Mistral-7B-v0.1 (published dimensions), the other two
-# families the fast engine and the native forward implement; `model_type` picks the HF class (`build_model`). Qwen3's
-# head_dim (128) is not hidden / heads at 0.6B (64). Mistral-7B-v0.1's 4096-token sliding window is full attention
-# for every benchmark length below it; the engine refuses a max_seq_len above it (engines/fast/arch.py check_window).
+# The other two families the fast engine and the native forward implement; `model_type` picks the HF class
+# (`build_model`). Qwen3's published dimensions live in fleetrl/models/shapes.py (the trainer's `random:` models use
+# them too), with Qwen2.5's vocabulary and RoPE settings. config.json of mistralai/Mistral-7B-v0.1: its 4096-token
+# sliding window is full attention for every benchmark length below it; the engine refuses a max_seq_len above it
+# (engines/fast/arch.py check_window).
 FAMILY_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
-                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                       tie_word_embeddings=True),
-    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
-                     rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                     tie_word_embeddings=False),
+    **{name: dict(model_type="qwen3", **dims, vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                  max_position_embeddings=40960) for name, dims in QWEN3.items()},
     "mistral-7b": dict(model_type="mistral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
                        rope_theta=10_000.0, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=4096,
