@@ -1,7 +1,7 @@
 """The layer rules of docs/architecture.md, read from the package's import statements (its AST; nothing is
 imported): a module imports its own layer or lower ones, and a few edges the layer order alone would allow are
-named and refused here too (algo stays pure, config knows no environments, the sandbox knows nothing of fleetrl,
-Ray lives in cluster/)."""
+named and refused here too (algo stays pure, models import no engines, config knows no environments, the sandbox
+knows nothing of fleetrl, Ray lives in cluster/)."""
 from __future__ import annotations
 
 import ast
@@ -112,6 +112,13 @@ def test_no_module_imports_a_higher_layer():
 def test_algo_is_pure_torch():
     bad = [str(i) for i in _from("algo")
            if i.target.split(".")[0] in ("ray", "transformers") or (i.target_layer not in (None, "algo"))]
+    assert not bad, "\n".join(bad)
+
+
+def test_models_import_nothing_of_engines():
+    # models/ and engines/ share a layer, but the tie runs one way: a decoder family is defined once in models/
+    # (family.py), which the fast engine and the native forward both read (issue 37, "a family is defined once").
+    bad = [str(i) for i in _from("models") if i.target_layer == "engines"]
     assert not bad, "\n".join(bad)
 
 

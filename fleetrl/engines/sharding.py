@@ -22,11 +22,9 @@ from torch import nn
 
 T = TypeVar("T")
 
-_METHOD = "_fleetrl_gathered_call"
-
-
-def _call(_module: nn.Module, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
-    return fn(*args, **kwargs)
+# The hooked entry each sharded module gets, and the call that uses it, live in models/gathered.py: the native
+# decoder (models/) runs its layers through them and imports nothing from engines.
+from fleetrl.models.gathered import _METHOD, _call, gathered_call  # noqa: E402,F401
 
 
 def shard(model: nn.Module, layers: list[nn.Module]) -> bool:
@@ -50,13 +48,6 @@ def shard(model: nn.Module, layers: list[nn.Module]) -> bool:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     return sums
-
-
-def gathered_call(module: nn.Module, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
-    """fn(*args, **kwargs) with `module`'s FSDP2 parameters gathered for it (and their gradients reduce-scattered
-    in backward), as in `module(...)`; a plain call when `module` was not sharded by `shard`."""
-    method = getattr(module, _METHOD, None)
-    return fn(*args, **kwargs) if method is None else method(fn, *args, **kwargs)
 
 
 def same_count_on_every_rank(items: Iterable[T], device: torch.device, group: object | None = None,

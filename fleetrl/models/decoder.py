@@ -10,8 +10,8 @@ What it reads: the HF modules' own parameters, in place. Projections are *called
 read as matrices, so biases (Qwen2's q/k/v), peft's LoRA wrappers (fleetrl/models/lora.py) and any hooks on them
 apply unchanged, and gradients land on the HF parameters: the optimiser, checkpoints and weight sync see nothing
 different. RMSNorm weights (Qwen3's per-head q_norm / k_norm included) and the rotary `inv_freq` are read from the
-modules. Shapes come from the fast engine's `read_spec` (fleetrl/engines/fast/arch.py), which validates the same
-families; a Mistral sliding window is accepted only where no sample is longer than it (`NativeDecoder.check_lengths`),
+modules. Shapes come from `read_spec` (fleetrl/models/family.py, the families defined once), which the fast
+engine reads too; it validates the same families; a Mistral sliding window is accepted only where no sample is longer than it (`NativeDecoder.check_lengths`),
 since this forward attends to the whole sample.
 
 Attention: padded rows are compacted so each row's real tokens come first (see `padded_native_logprobs`), after
@@ -19,7 +19,7 @@ which plain causal SDPA with no mask is exact for them; packed rows (fleetrl/mod
 their sample through a flex-attention BlockMask or varlen segments (GPU), padded segments (CPU,
 models/segments.py) or a dense block-diagonal causal mask (the fallback, tests).
 
-FSDP2-sharded actors: each layer call runs inside that layer's FSDP2 hooks (engines/sharding.py `gathered_call`),
+FSDP2-sharded actors: each layer call runs inside that layer's FSDP2 hooks (models/gathered.py `gathered_call`),
 and the caller wraps the whole forward in the root's. Not supported (checked when the model loads): attention dropout.
 """
 from __future__ import annotations
@@ -32,11 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fleetrl.engines.fast.arch import SUPPORTED_MODEL_TYPES, DecoderSpec, check_window, read_spec
-from fleetrl.engines.fast.forward import apply_rope, rms_norm  # HF's ops, shared with decode
-from fleetrl.engines.sharding import gathered_call
 from fleetrl.errors import UserError
 from fleetrl.models import segments, varlen
+from fleetrl.models.family import SUPPORTED_MODEL_TYPES, DecoderSpec, apply_rope, check_window, read_spec, rms_norm
+from fleetrl.models.gathered import gathered_call
 from fleetrl.models.segments import PaddedSegments
 from fleetrl.models.varlen import VarlenSegments
 

@@ -34,19 +34,7 @@ from fleetrl.engines.fast.arch import (
 from fleetrl.engines.fast.cast import CastCopy
 from fleetrl.engines.fast.fused import FusedProjections
 from fleetrl.engines.fast.tp import TensorParallel, shard_weights
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm/Qwen2RMSNorm, op for op; weight None: folded into the next projection (fused.py)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return h.to(x.dtype) if weight is None else weight * h.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, as HF's apply_rotary_pos_emb (cos/sin broadcast over heads)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+from fleetrl.models.family import apply_rope, rms_norm  # noqa: F401  (the family's ops; re-exported)
 
 
 def head_norms(q: torch.Tensor, k: torch.Tensor, lw: Any, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
