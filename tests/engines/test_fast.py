@@ -213,5 +213,6 @@ def test_one_token_and_input_errors() -> None:
     with pytest.raises(ValueError, match="max_seq_len"):
         eng.generate(ids, mask, SamplingParams(max_new_tokens=62))
     model.config.model_type = "gpt2"
-    with pytest.raises(ValueError, match="model types"):
+    with pytest.raises(ValueError, match="model types") as err:
         FastRolloutEngine(model, None, device="cpu")
+    assert "rollout.engine=vllm" in str(err.value) and "rollout.engine=hf" in str(err.value)  # where to go instead
