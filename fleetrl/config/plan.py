@@ -128,7 +128,7 @@ class Plan:
     HF `generate` reads them. Under autocast every matmul rounds those weights to that dtype anyway, so the update
     is the same bit for bit and the weights take half the memory (SmolLM2 LoRA: 2.9 -> 2.2 GiB peak RSS, bench/
     RESULTS.md); the HF engine's `generate` runs outside autocast and would meet mixed dtypes. Without autocast
-    (actor.lora.frozen_dtype=auto, model.dtype=float32): bfloat16, widened at each matmul (`lora_base_upcast`).
+    (actor.lora.frozen_dtype=bfloat16, model.dtype=float32): bfloat16, widened at each matmul (`lora_base_upcast`).
     None = model.dtype."""
     gradient_checkpointing: bool = False
     """model.gradient_checkpointing with auto resolved: on for an actor trained on a CPU without autocast."""
@@ -367,14 +367,15 @@ def _checkpointing(cfg: RunConfig, autocast: str, on_gpu: bool) -> bool:
 
 
 def _lora_base_dtype(cfg: RunConfig, autocast: str, colocated: bool) -> str | None:
-    """Plan.lora_base_dtype (actor.lora.frozen_dtype=auto with model.dtype=float32): the autocast dtype for a LoRA
-    actor trained under autocast (`autocast`: actor.autocast resolved), unless the HF engine generates with the
-    actor's own modules (colocated: transformers' generate runs outside autocast); bf16 storage widened at each
-    matmul without autocast (Plan.lora_base_upcast: the HF engine's generate calls those same modules, so it runs)."""
+    """Plan.lora_base_dtype (actor.lora.frozen_dtype auto or bfloat16, model.dtype=float32): the autocast dtype for a
+    LoRA actor trained under autocast (`autocast`: actor.autocast resolved), unless the HF engine generates with the
+    actor's own modules (colocated: transformers' generate runs outside autocast); without autocast, bf16 storage
+    widened at each matmul where frozen_dtype=bfloat16 asks for it (Plan.lora_base_upcast: the HF engine's generate
+    calls those same modules, so it runs), else None."""
     if cfg.actor.lora is None or cfg.actor.lora.frozen_dtype == "model" or cfg.model.dtype != "float32":
         return None
     if autocast == "off":
-        return "bfloat16"
+        return "bfloat16" if cfg.actor.lora.frozen_dtype == "bfloat16" else None
     if colocated and cfg.rollout.engine == "hf":
         return None
     return autocast

@@ -266,11 +266,12 @@ class LoraConfig:
     targets: tuple[str, ...] = ("all-linear",)
     """Linear modules to adapt, by name or name suffix (`q_proj`, `self_attn.v_proj`); `all-linear` = every
     linear layer except the LM head, which may be added by name (`lm_head`) when it is not tied to the embedding."""
-    frozen_dtype: Literal["auto", "model"] = "auto"
-    """The frozen base weights of the adapted layers with model.dtype=float32 (Plan.lora_base_dtype). auto: in
-    bf16, half the memory; under actor.autocast the update rounds them to it anyway, without autocast (a CPU without
-    native bf16) each layer's weight is widened to fp32 at its matmul, so the base is rounded once, as a bf16
-    checkpoint's is. model: kept in model.dtype (an exactly fp32 base, twice the memory)."""
+    frozen_dtype: Literal["auto", "model", "bfloat16"] = "auto"
+    """The frozen base weights of the adapted layers with model.dtype=float32 (Plan.lora_base_dtype). auto: in the
+    autocast dtype under actor.autocast (which rounds them to it at every matmul anyway: the same update in half the
+    memory), else in model.dtype. bfloat16: in bf16 without autocast too (a CPU without native bf16), each layer's
+    weight widened to fp32 at its matmul: half the memory, the base rounded once as a bf16 checkpoint's is (an export
+    reloads the base at full precision). model: always model.dtype."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,6 +29,7 @@ def test_rewrites_must_follow_a_resumed_event_that_supersedes_them():
 
 @pytest.mark.slow
 @pytest.mark.netns
+@pytest.mark.timeout(900)  # the soak's own deadline: 366 s beside the rest of CI's slow tests (2026-11-27), >300
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_short_soak_survives_every_fault_kind_bit_identically():
     result = soak(seed=7, n_faults=len(KINDS), steps=40, save_every=4, kinds=KINDS, timeout_s=900)

@@ -38,14 +38,16 @@ def test_explicit_settings_are_kept_and_a_slow_bf16_is_warned_about(cpu_bf16, ca
 
 @pytest.mark.parametrize("native, autocast, compute, lora_base, upcast, recompute", [
     (True, "bfloat16", "bfloat16", "bfloat16", False, False),
-    # no autocast: the LoRA base stored in bf16 and widened at each matmul; fp32 activations recomputed
+    # no autocast: the LoRA base stored in bf16 and widened at each matmul (frozen_dtype=bfloat16, as the SmolLM2
+    # LoRA example sets); fp32 activations recomputed
     (False, "off", "model", "bfloat16", True, True),
 ])
 def test_plan_resolves_auto_for_the_cpu_pool(cpu_bf16, native, autocast, compute, lora_base, upcast, recompute):
     cpu_bf16(native)
     cfg = load_config("examples/quickstart.yaml", ["actor.autocast=auto", "rollout.compute_dtype=auto",
                                                    "actor.lora.rank=4", "rollout.engine=fast",
-                                                   "model.gradient_checkpointing=auto"])
+                                                   "model.gradient_checkpointing=auto",
+                                                   "actor.lora.frozen_dtype=bfloat16"])
     plan = derive_plan(cfg)
     assert (plan.actor_autocast, plan.rollout_compute_dtype, plan.lora_base_dtype) == (autocast, compute, lora_base)
     assert (plan.lora_base_upcast, plan.gradient_checkpointing) == (upcast, recompute)

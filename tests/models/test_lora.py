@@ -221,12 +221,13 @@ def test_plan_keeps_the_lora_base_in_the_autocast_dtype_unless_hf_generates_with
     assert derive_plan(load_config(None, lora)).lora_base_dtype == "bfloat16"
     assert derive_plan(load_config(None, [*lora[:2], "rollout.engine=hf"])).lora_base_dtype is None  # colocated
     assert not derive_plan(load_config(None, lora)).lora_base_upcast
-    off = derive_plan(load_config(None, [lora[0], "actor.autocast=off"]))  # no autocast: bf16 storage, fp32 matmuls
-    assert (off.lora_base_dtype, off.lora_base_upcast) == ("bfloat16", True)
-    hf = derive_plan(load_config(None, [lora[0], "actor.autocast=off", "rollout.engine=hf"]))  # its modules widen
+    off = derive_plan(load_config(None, [lora[0], "actor.autocast=off"]))  # no autocast: the fp32 base by default
+    assert (off.lora_base_dtype, off.lora_base_upcast) == (None, False)
+    narrow = [lora[0], "actor.autocast=off", "actor.lora.frozen_dtype=bfloat16"]  # bf16 storage, fp32 matmuls
+    assert (derive_plan(load_config(None, narrow)).lora_base_dtype, derive_plan(load_config(None, narrow))
+            .lora_base_upcast) == ("bfloat16", True)
+    hf = derive_plan(load_config(None, [*narrow, "rollout.engine=hf"]))  # the HF engine calls the widening modules
     assert (hf.lora_base_dtype, hf.lora_base_upcast) == ("bfloat16", True)
-    exact = derive_plan(load_config(None, [lora[0], "actor.autocast=off", "actor.lora.frozen_dtype=model"]))
-    assert (exact.lora_base_dtype, exact.lora_base_upcast) == (None, False)
     assert derive_plan(load_config(None, [*lora, "actor.lora.frozen_dtype=model"])).lora_base_dtype is None
     assert derive_plan(load_config(None, [*lora, "model.dtype=bfloat16"])).lora_base_dtype is None
     assert derive_plan(load_config(None, lora[1:])).lora_base_dtype is None  # no LoRA
