@@ -227,6 +227,18 @@ def balanced_partition(weights: Sequence[int], k: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows as left-padded [len(rows), longest] ids and a 0/1 mask (what a rollout engine takes)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
 def _cat_padded(ts: list[torch.Tensor], left: bool) -> torch.Tensor:
     if ts[0].dim() < 2 or all(t.shape[1:] == ts[0].shape[1:] for t in ts):
         return torch.cat(ts, 0)

@@ -23,6 +23,7 @@ from functools import partial
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fleetrl.batch import left_pad
 from fleetrl.engines.protocol import RolloutEngine, SamplingParams
 from fleetrl.envs.base import (
     INFO_TOOL_CALLS,
@@ -247,7 +248,7 @@ def _generate(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, active:
     """One model turn for every active episode; appends the tokens and returns (decoded texts, last tokens)."""
     room = [budget - len(ep.tokens) for ep in active]
     contexts = [ep.prompt + ep.tokens for ep in active]
-    ids, mask = _left_pad(contexts, tokenizer.pad_token_id)
+    ids, mask = left_pad(contexts, tokenizer.pad_token_id)
     out = engine.generate(ids, mask, replace(params, max_new_tokens=max(1, min(per_turn, max(room)))))
     texts, last = [], []
     for row, ep in enumerate(active):
@@ -283,17 +284,6 @@ def _apply_outcome(ep: _Episode, outcome) -> str | None:
         ep.finish = FINISH_DONE
         return None
     return result.observation or ""
-
-
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 def _collate(episodes: list[_Episode], pad_id: int) -> MultiTurnOutput:

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from fleetrl.batch import left_pad
 from fleetrl.engines.protocol import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -86,15 +87,7 @@ class PartialSamples:
 
     def inputs(self, rows: Sequence[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' prompts plus their tokens so far, left-padded: [len(rows), L] ids and mask."""
-        seqs = [self.prompts[b] + self.tokens[b] for b in rows]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            if s:
-                ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-                mask[i, width - len(s):] = 1
-        return ids, mask
+        return left_pad([self.prompts[b] + self.tokens[b] for b in rows], pad_id)
 
     def absorb(self, rows: Sequence[int], out: GenerationOutput, version: int,
                stop_end: Callable[[list[int]], int | None] | None = None) -> None:
