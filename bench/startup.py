@@ -134,13 +134,12 @@ def run(args: argparse.Namespace) -> dict:
 def compare_build(spec: str, dtype: torch.dtype, threads: int, repeats: int) -> dict:
     """Host (CPU) build of a random: shape: eagerly as before meta initialisation (the model's own init under a
     seeded global generator, then a cast), against now (meta device, then one seeded draw on the host)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from fleetrl.models import shapes
 
     torch.set_num_threads(threads)
-    cfg = Qwen2Config(**shapes.QWEN25[spec.removeprefix(shapes.RANDOM_PREFIX)], vocab_size=151936,
-                      rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+    cfg = shapes.shape_config(spec.removeprefix(shapes.RANDOM_PREFIX))  # the random: model's own config
 
     def eager() -> torch.nn.Module:  # the code of shapes.random_model before this change
         default = torch.get_default_dtype()
@@ -148,7 +147,7 @@ def compare_build(spec: str, dtype: torch.dtype, threads: int, repeats: int) -> 
             torch.manual_seed(0)
             torch.set_default_dtype(dtype)
             try:
-                model = Qwen2ForCausalLM(cfg)
+                model = AutoModelForCausalLM.from_config(cfg)
             finally:
                 torch.set_default_dtype(default)
         return model.to(dtype)
