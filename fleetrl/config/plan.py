@@ -66,7 +66,8 @@ class PoolPlan:
 class EngineSizes:
     """What a rollout engine must hold at once on one worker (the fast engine sizes its KV cache by these)."""
     max_batch: int
-    """Most sequences one generate call of one rollout worker carries (training step or validation)."""
+    """Most sequences one generate call of one rollout engine carries (training step or validation): one worker's,
+    or at rollout.tensor_parallel = k the k workers' of the engine together."""
     max_seq_len: int
     """data.max_prompt_length + rollout.max_response_tokens (a whole episode with an environment)."""
 
@@ -308,10 +309,9 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
 
 
 def _check_tensor_parallel(cfg: RunConfig, rollout_world: int) -> None:
-    """rollout.tensor_parallel: the fast engine's, dividing the rollout workers into engines of k ranks and the
-    model's heads, KV heads and MLP width into k shards (where the config layer can read the shape: a local folder's
-    config.json; any other model's is checked by the engine when it builds). Then refused: the engine runs TP
-    (engines/fast/tp.py) but the rollout worker group is not yet wired into TP groups."""
+    """rollout.tensor_parallel: the fast engine's, dividing the rollout workers into engines of k ranks
+    (workers/tp_group.py) and the model's heads, KV heads and MLP width into k shards (where the config layer can
+    read the shape: a local folder's config.json; any other model's is checked by the engine when it builds)."""
     from fleetrl.config.tensor_parallel import folder_shape, tp_shape_problem
 
     k = cfg.rollout.tensor_parallel
@@ -324,13 +324,19 @@ def _check_tensor_parallel(cfg: RunConfig, rollout_world: int) -> None:
         raise ConfigError(f"rollout.tensor_parallel={k} does not divide the {rollout_world} rollout workers (one "
                           f"engine per {k} of them); use a divisor of {rollout_world} ({_divisors(rollout_world)}) or "
                           "change the rollout pool's nodes/workers_per_node")
+    # The k ranks of an engine must make every generate call together, with the same inputs: the synchronous
+    # step calls every rank at once; the async pipeline feeds each rollout worker on its own, and a multi-turn
+    # episode runs its environment per rank, so neither keeps the engine's ranks in step yet.
+    for unsupported, key in ((cfg.trainer.mode == "async", "trainer.mode=async"),
+                             (cfg.rollout.env is not None, "rollout.env (multi-turn episodes)")):
+        if unsupported:
+            raise ConfigError(f"rollout.tensor_parallel={k} runs in synchronous single-turn steps; {key} feeds each "
+                              "rollout worker on its own: set rollout.tensor_parallel=1 (one engine per GPU), or "
+                              "use the synchronous mode")
     shape = folder_shape(cfg.model.path)
     problem = None if shape is None else tp_shape_problem(k, *shape)
     if problem is not None:
         raise ConfigError(f"rollout.tensor_parallel={k} cannot split model.path={cfg.model.path}: {problem}")
-    raise ConfigError(f"rollout.tensor_parallel={k}: tensor-parallel rollout runs at engine level only so far "
-                      "(FastRolloutEngine tp_group), the rollout workers are not grouped into engines yet; set "
-                      "rollout.tensor_parallel=1")
 
 
 def _attention_passes(cfg: RunConfig, autocast: str, lora_base: str | None, *, recompute: bool,
@@ -404,7 +410,8 @@ def _engine_sizes(cfg: RunConfig, world: int, samples: int, val_prompts: int,
     # Partial rollouts: a segment's call sizes every row for its largest budget, so a row near its limit (prompt +
     # max_new_tokens - 1 tokens so far) beside a row with a whole segment left needs segment_tokens more positions.
     extra = pipeline.segment_tokens if pipeline is not None and pipeline.segment_tokens else 0
-    return EngineSizes(max_batch=per_worker,
+    # An engine of rollout.tensor_parallel = k ranks decodes the samples of its k ranks in one call.
+    return EngineSizes(max_batch=per_worker * cfg.rollout.tensor_parallel,
                        max_seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_tokens + extra)
 
 

@@ -22,7 +22,8 @@ from fleetrl.models.meta_init import build_on_meta, materialize
 RANDOM_PREFIX = "random:"
 QWEN_TOKENIZER_PREFIX = "qwen:"
 
-# config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B} (published dimensions).
+# config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B,32B,72B} (published dimensions; one vocabulary size for all, 151,936:
+# the 7B and larger checkpoints pad their embedding to 152,064 rows, 0.1% of the 7B's parameters).
 QWEN25: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          intermediate_size=4864, tie_word_embeddings=True),
@@ -30,6 +31,10 @@ QWEN25: dict[str, dict[str, Any]] = {
                          intermediate_size=8960, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        intermediate_size=18944, tie_word_embeddings=False),
+    "qwen2.5-32b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        intermediate_size=27648, tie_word_embeddings=False),
+    "qwen2.5-72b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        intermediate_size=29568, tie_word_embeddings=False),
     # Not a published shape: two small layers over the real vocabulary, for fast tests of the random: path.
     "qwen2.5-test": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, tie_word_embeddings=True),

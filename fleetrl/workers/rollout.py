@@ -15,6 +15,7 @@ from fleetrl.models.hf import load_run_tokenizer, release_freed_memory
 from fleetrl.workers.context import WorkerContext, dtype_of
 from fleetrl.workers.messages import GenerateRequest
 from fleetrl.workers.sync_faults import StaleView, skipped_patterns
+from fleetrl.workers.tp_group import EngineGroup
 
 
 @contextmanager
@@ -39,15 +40,17 @@ def unsharded(model: torch.nn.Module) -> Iterator[float | None]:
             m.set_reshard_after_forward(True)
 
 
-def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer) -> RolloutEngine:
+def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer,
+                engine_group: EngineGroup | None = None) -> RolloutEngine:
     seed = ctx.plan.seed("engine", rank=ctx.rank)
     if ctx.cfg.rollout.engine == "fast":
         from fleetrl.engines.fast import FastRolloutEngine
 
-        sizes = ctx.plan.rollout
+        sizes = ctx.plan.rollout  # per engine: k ranks' samples at rollout.tensor_parallel = k
         dtype = ctx.plan.rollout_compute_dtype  # rollout.compute_dtype, auto resolved (config/precision.py)
         return FastRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed, max_batch=sizes.max_batch,
-                                 max_seq_len=sizes.max_seq_len, compute_dtype=None if dtype == "model" else dtype_of(dtype))
+                                 max_seq_len=sizes.max_seq_len, compute_dtype=None if dtype == "model" else dtype_of(dtype),
+                                 tp_group=None if engine_group is None else engine_group.group)
     if ctx.cfg.rollout.engine == "vllm":
         from fleetrl.engines.vllm import VLLMRolloutEngine
 
@@ -65,13 +68,14 @@ def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer) -> Rollou
 
 
 class RolloutComponent:
-    def __init__(self, ctx: WorkerContext, model: torch.nn.Module) -> None:
+    def __init__(self, ctx: WorkerContext, model: torch.nn.Module, engine_group: EngineGroup | None = None) -> None:
         self.ctx = ctx
+        self.engine_group = engine_group  # rollout.tensor_parallel > 1: the ranks this engine runs on (tp_group.py)
         m = ctx.cfg.model
         self.tokenizer = load_run_tokenizer(m)
         self.model = model
         with unsharded(model):  # FSDP2: the engine reads (and checks) the whole weights, not the shards
-            self.engine = make_engine(ctx, model, self.tokenizer)
+            self.engine = make_engine(ctx, model, self.tokenizer, engine_group)
         # vLLM keeps its own copy of the weights: a colocated sync streams the actor's tensors into it (and checks
         # it); the hf and fast engines read the actor's parameters in place, so only the version moves.
         self.engine_holds_copy = ctx.cfg.rollout.engine == "vllm"
@@ -97,7 +101,19 @@ class RolloutComponent:
     def generate(self, batch: Batch, req: GenerateRequest, before_segment: Callable[[], None] | None = None) -> Batch:
         """batch: prompts/prompt_mask, already repeated n times (plus the per-sample fields with an env).
         req.segment_tokens (partial rollouts): the call decodes in segments, `before_segment` running before each
-        (the async worker installs the newest published weights there: workers/partial.py)."""
+        (the async worker installs the newest published weights there: workers/partial.py). Under tensor
+        parallelism the engine's ranks decode their batches together and each returns its own rows."""
+        if self.engine_group is None:
+            return self._generate(batch, req, before_segment)
+        t0 = time.perf_counter()
+        whole, mine = self.engine_group.gather(batch)
+        t_gather = time.perf_counter() - t0
+        out = self._generate(whole, req, before_segment)
+        own = out.select(mine)
+        own.meta.setdefault("timing", {})["generate/tp_gather"] = t_gather
+        return own
+
+    def _generate(self, batch: Batch, req: GenerateRequest, before_segment: Callable[[], None] | None) -> Batch:
         if self.engine.weights_version < req.min_weights_version:
             raise RuntimeError(f"rollout worker {self.ctx.rank} holds weights version {self.engine.weights_version} "
                                f"but the step needs {req.min_weights_version}: weight sync did not arrive")

@@ -34,6 +34,7 @@ from fleetrl.workers.messages import (
     UpdateSpec,
 )
 from fleetrl.workers.sync_faults import skip_received
+from fleetrl.workers.tp_group import EngineGroup
 
 if TYPE_CHECKING:  # imported where first used (Worker._local): local_step imports this module's neighbours
     from fleetrl.workers.local_step import LocalStep
@@ -50,6 +51,7 @@ class Worker:
         self.owns_group = False  # this worker made the process's default group (init_dist), so it destroys it
         self.local: LocalStep | None = None  # the rank-local step's held groups (workers/local_step.py), built on first use
         self.startup_s: dict[str, float] = {}  # seconds of each part of `build`
+        self.engine_group: EngineGroup | None = None  # rollout.tensor_parallel > 1: this rank's engine (tp_group.py)
 
     def timed(self, method: str, *args):
         """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
@@ -91,6 +93,8 @@ class Worker:
             backend = "nccl" if self.ctx.device().type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.ctx.rank,
                                     world_size=w, timeout=timedelta(seconds=timeout_s))
+        if "rollout" in self.ctx.roles:  # every rank of the pool makes every engine's group, in order
+            self.engine_group = EngineGroup.make(self.ctx.rank, w, self.ctx.cfg.rollout.tensor_parallel)
 
     def build(self) -> None:
         """Loads models for every hosted role (after init_dist, so sharding can use the group)."""
@@ -115,7 +119,7 @@ class Worker:
         if "rollout" in roles:
             from fleetrl.workers.rollout import RolloutComponent
 
-            self.rollout = clock.time("rollout", RolloutComponent, ctx, model)
+            self.rollout = clock.time("rollout", RolloutComponent, ctx, model, self.engine_group)
         if "ref" in roles:
             self.ref = clock.time("ref", RefComponent, ctx, self.actor if ctx.plan.ref_from_actor else None)
         if "critic" in roles:

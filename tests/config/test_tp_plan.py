@@ -1,6 +1,7 @@
 """rollout.tensor_parallel in the Plan (plan.py `_check_tensor_parallel`, config/tensor_parallel.py): the engine, the
 rollout world and the model's shape must divide by it, each refusal one line naming the numbers; then any k > 1 is
-refused, as the rollout workers are not grouped into TP engines yet (the engine itself runs it: engines/fast/tp.py)."""
+planned with each engine sized for its k workers' samples; the modes whose calls do not keep an engine's ranks in step
+(async, multi-turn) are refused."""
 from __future__ import annotations
 
 import pytest
@@ -54,9 +55,19 @@ def test_the_models_heads_must_divide(tmp_path):
     assert msg.endswith("degrees that divide this model: 1, 2")
 
 
-def test_a_valid_degree_is_refused_at_the_worker_group():
-    msg = refused(*TWO_WORKERS, "rollout.tensor_parallel=2")
-    assert "engine level only so far" in msg and "rollout.tensor_parallel=1" in msg
+def test_a_valid_degree_plans_one_engine_per_k_workers():
+    one, two = plan(*TWO_WORKERS), plan(*TWO_WORKERS, "rollout.tensor_parallel=2")
+    assert two.world["rollout"] == 2
+    assert two.rollout.max_batch == 2 * one.rollout.max_batch  # one engine decodes both workers' samples
+
+
+def test_async_and_multi_turn_are_refused():
+    split = ["cluster.backend=ray", "rollout.engine=fast", "trainer.mode=async",
+             "cluster.pools={train: {workers_per_node: 1}, gen: {workers_per_node: 2}}",
+             "cluster.roles={actor: train, rollout: gen}"]
+    assert plan(*split).world["rollout"] == 2
+    msg = refused(*split, "rollout.tensor_parallel=2")
+    assert "trainer.mode=async" in msg and "rollout.tensor_parallel=1" in msg
 
 
 def test_a_checkpoint_folders_shape_is_read_from_its_config(tmp_path):

@@ -96,3 +96,15 @@ def _same_losses(one: list[dict], two: list[dict]) -> None:
         assert set(a) == set(b) and len(a) >= 5, (a, b)
         for k in a:
             assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), f"step {step}: {k} {a[k]!r} vs {b[k]!r}"
+
+
+def test_tensor_parallel_rollout_equals_an_engine_per_rank(tmp_path, ray_local):
+    """rollout.tensor_parallel=2 (workers/tp_group.py): the two ranks decode their groups together as one TP engine
+    (gloo) and each keeps its own; greedy decoding makes the samples those of an engine per rank, so the losses are
+    the same, and each rank's report shows the engine's gather."""
+    fast = (*COMMON, "cluster.backend=ray", "cluster.pools.main.workers_per_node=2", "rollout.engine=fast")
+    one = train_run("examples/ppo_tiny.yaml", tmp_path / "tp1", *fast)
+    two = train_run("examples/ppo_tiny.yaml", tmp_path / "tp2", *fast, "rollout.tensor_parallel=2")
+    assert not any("tp_gather" in k for r in one for k in r)
+    assert any("tp_gather" in k for r in two for k in r), sorted(two[-1])
+    _same_losses(_steps(one), _steps(two))
