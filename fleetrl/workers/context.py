@@ -1,6 +1,7 @@
 """What a worker knows about itself: the run, its rank in its pool, the roles it hosts, its device."""
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -47,6 +48,18 @@ class WorkerContext:
         # another process has preempted: measured on an H200 host, aten::index on a 256-row batch took 8 ms
         # instead of 0.02 ms in such runs, 170 ms before the update's first kernel (bench/RESULTS.md).
         torch.set_num_threads(self.pool_plan.cpu_threads)
+        share_tokenizer_threads(self.pool_plan.cpu_threads, self.cfg.cluster.env)
+
+
+def share_tokenizer_threads(threads: int, user_env: dict[str, str]) -> None:
+    """A worker given several CPUs decodes its responses with that many tokenizer threads. Ray workers start with
+    TOKENIZERS_PARALLELISM=false (cluster/runtime.py: several one-CPU workers on a machine must not oversubscribe),
+    which made the rank-local step's decode serial: scoring 256 samples took 0.067-0.079 s in a Ray worker against
+    0.043 s in the driver process (bench/RESULTS.md, the rank-local weak scaling). The Rust backend sizes its
+    thread pool from RAYON_NUM_THREADS when it first decodes in parallel, after this. cluster.env wins."""
+    if threads > 1 and "TOKENIZERS_PARALLELISM" not in user_env:
+        os.environ["TOKENIZERS_PARALLELISM"] = "true"
+        os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
 
 
 def dtype_of(name: str) -> torch.dtype:
