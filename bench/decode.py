@@ -3,6 +3,9 @@
   PYTHONPATH=. python bench/decode.py --engines fast,hf --out $OUT        # full grid (GPU)
   PYTHONPATH=. python bench/decode.py --check-only --out $OUT              # GPU correctness checks only
   PYTHONPATH=. python bench/decode.py --longtail --group 8                 # continuous vs static batching
+  PYTHONPATH=. python bench/decode.py --tp 1,2,4 --shapes qwen2.5-7b --batches 256 --new-tokens 256  # TP engine
+  PYTHONPATH=. python bench/decode.py --tp 1,2 --device cpu --shapes tiny --dtype float32 \
+      --batches 8 --new-tokens 16 --prompt-len 16                         # the same code path on CPU (gloo)
 
 Workload: random-init Qwen2.5 shapes in bf16, B random 128-token prompts, exactly N new tokens (no EOS), plain
 temperature-1 sampling (the RL setting). Throughput = B * N / wall time of the whole call (prefill included).
@@ -42,16 +45,27 @@ from fleetrl.engines.protocol import SamplingParams  # noqa: E402
 
 
 def roofline(model: torch.nn.Module, dtype: torch.dtype, batch: int, prompt: int, new: int,
-             group: int = 1) -> tuple[float, float]:
+             group: int = 1, tp: int = 1) -> tuple[float, float]:
     """(bytes, matmul FLOPs) of the N-1 decode steps of one call. group > 1 (GRPO's samples per prompt): a
-    prompt's cached rows are read once per group, as the engine's decode reads them at the group's leader."""
-    weights = matmul_params(model) * torch.finfo(dtype).bits // 8
+    prompt's cached rows are read once per group, as the engine's decode reads them at the group's leader.
+    tp > 1: one rank's share (engines/fast/tp.py): 1/tp of the layers' projections, of the KV cache and of the
+    attention FLOPs, plus the replicated LM head (and norms) whole, as every rank computes the full logits."""
+    sharded = tp_sharded_params(model)
+    params = sharded / tp + matmul_params(model) - sharded
+    weights = params * torch.finfo(dtype).bits // 8
     positions = sum(prompt + t for t in range(1, new))
     kv_positions = batch * sum(range(1, new)) + batch // group * prompt * (new - 1)
-    nbytes = (new - 1) * weights + kv_bytes_per_token(model, dtype) * kv_positions
+    nbytes = (new - 1) * weights + kv_bytes_per_token(model, dtype) // tp * kv_positions
     cfg = model.config
-    attn = 4 * cfg.num_hidden_layers * cfg.hidden_size * batch * positions  # q.k and p.v
-    return float(nbytes), float(2 * matmul_params(model) * batch * (new - 1) + attn)
+    attn = 4 * cfg.num_hidden_layers * cfg.hidden_size * batch * positions // tp  # q.k and p.v of the rank's heads
+    return float(nbytes), float(2 * params * batch * (new - 1) + attn)
+
+
+def tp_sharded_params(model: torch.nn.Module) -> int:
+    """Parameters tp.py splits over the ranks: the decoder layers' projections and their column biases. The norms
+    and the row-parallel (o, down) biases stay whole on every rank, as do the embedding and the LM head."""
+    whole = ("norm", "o_proj.bias", "down_proj.bias")
+    return sum(p.numel() for n, p in model.model.layers.named_parameters() if not any(w in n for w in whole))
 
 
 def prompts_for(batch: int, prompt: int, vocab: int, device: str, group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +128,172 @@ def bench(args, ceilings: dict, save) -> list[dict]:
         del model
         gc.collect()
     return rows
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallel
+# --tp 1,2,4: for each degree k, k spawned processes (one GPU each; gloo on CPU) run one TP engine together
+# (engines/fast/tp.py), every rank with the same seeded model and prompts; rank 0 reports. Per-rank bytes: 1/k of
+# the projections and of the KV cache, plus the replicated LM head (`roofline`); the all-reduce payload is
+# 2 x layers x [B, hidden] per decode step (o and down), of which a ring moves 2(k-1)/k per rank each way.
+TP_CHECK_ROWS, TP_CHECK_TOKENS = 16, 32
+TP_MIN_FIRST_EQUAL = 0.5  # bf16 random models have near-tied logits: some flips are rounding, most are a bug
+TP_TARGET = 0.8  # issue 37: TP 2's per-GPU tokens/s at batch 256 over TP 1's
+
+
+def tp_grid(args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """(device info, rows) of every shape x degree; a degree whose ranks fail gets an `error` row and the
+    others still run."""
+    info, rows = {}, []
+    for shape in args.shapes.split(","):
+        for k in args.tp:
+            try:
+                got = _spawn_degree(args, shape, k)
+            except Exception as e:  # (a rank's traceback, a deadline, an OOM: recorded, not fatal)
+                got = {"info": {}, "rows": [dict(shape=shape, tp=k, error=f"{type(e).__name__}: {e}"[-2000:])]}
+            info = info or got["info"]
+            rows += got["rows"]
+            print(*got["rows"], sep="\n", flush=True)
+    for r in rows:  # per-GPU throughput against TP 1's at the same shape, batch and length
+        base = next((b for b in rows if b.get("tp") == 1 and "error" not in b and
+                     (b["shape"], b["batch"], b["new_tokens"]) == (r["shape"], r.get("batch"), r.get("new_tokens"))),
+                    None)
+        if base is not None and "error" not in r:
+            r["per_gpu_vs_tp1"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+    return info, rows
+
+
+def _spawn_degree(args: argparse.Namespace, shape: str, k: int) -> dict:
+    """k ranks joined by join=True: a rank that raises or passes its deadline ends the others (mp.spawn)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()  # rank 0's small result dict: well under a pipe's buffer, so put() never blocks
+    mp.start_processes(_tp_rank, args=(k, _free_port(), args, shape, queue), nprocs=k, join=True,
+                       start_method="spawn")
+    return queue.get()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_rank(rank: int, k: int, port: int, args: argparse.Namespace, shape: str, queue: object) -> None:
+    import faulthandler
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    # Collectives captured in CUDA graphs are not watched by NCCL's timeout (the watchdog skips captured work), so
+    # a hang inside a replay would outlive init_process_group's timeout: this deadline ends the rank (exit 1, with
+    # every thread's stack on stderr) and mp.spawn then ends the others.
+    faulthandler.dump_traceback_later(args.tp_timeout, exit=True)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent hosts (as gpu_suite.sh sets)
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // k))  # k ranks share the host's cores
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=k, timeout=timedelta(seconds=args.tp_timeout),
+                            device_id=torch.device("cuda", rank) if on_gpu else None)
+    try:
+        rows = _tp_measure(args, shape, k, rank, f"cuda:{rank}" if on_gpu else "cpu")
+        if rank == 0:
+            queue.put({"info": device_info(args.device), "rows": rows})
+    finally:
+        dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _tp_measure(args: argparse.Namespace, shape: str, k: int, rank: int, device: str) -> list[dict]:
+    """Every rank runs the same calls (their collectives must match); rank 0's rows come back."""
+    import torch.distributed as dist
+
+    dtype = getattr(torch, args.dtype)
+    on_gpu = device.startswith("cuda")
+    # Measured before the model exists (2 x 2 GiB of copy buffers); the other ranks build meanwhile.
+    ceilings = {"copy_Bps": copy_bandwidth(device) if on_gpu else 50e9,
+                "matmul_tflops": matmul_tflops(device) if on_gpu else 1.0} if rank == 0 else {}
+    model = build_qwen2(shape, dtype, device)  # seeded: the same weights on every rank, drawn on its own device
+    check = _tp_greedy_check(model, args, device, k, rank)
+    eng = FastRolloutEngine(model, None, device=device, max_batch=max(args.batches),
+                            max_seq_len=args.prompt_len + max(*args.new_tokens, TP_CHECK_TOKENS),
+                            kernels=args.kernels, fuse_projections={"auto": None, "on": True, "off": False}[args.fuse],
+                            tp_group=dist.group.WORLD)
+    check.update(_greedy_rows(eng, args, device, model.config.vocab_size, check.pop("reference", None)))
+    rows = []
+    for batch in args.batches:
+        for new in args.new_tokens:
+            times = torch.tensor(run_fast(model, args, batch, new, eng), device=device, dtype=torch.float64)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank's wall time (they differ by little)
+            if rank == 0:
+                rows.append(_tp_row(model, args, shape, k, batch, new, times.tolist(), ceilings, check))
+    return rows
+
+
+def _tp_greedy_check(model: torch.nn.Module, args: argparse.Namespace, device: str, k: int, rank: int) -> dict:
+    """Rank 0's reference: the greedy tokens of a one-rank engine on the same weights (TP 1). Built and freed
+    before the TP engine, so its fused copies never sit beside the TP engine's; at k = 1 there is nothing to
+    compare. The other ranks wait in the TP engine's first collective meanwhile."""
+    if k == 1 or rank != 0:
+        return {}
+    ref = FastRolloutEngine(model, None, device=device, max_batch=TP_CHECK_ROWS,
+                            max_seq_len=args.prompt_len + TP_CHECK_TOKENS, kernels=args.kernels,
+                            fuse_projections={"auto": None, "on": True, "off": False}[args.fuse])
+    ids, mask = prompts_for(TP_CHECK_ROWS, args.prompt_len, model.config.vocab_size, device)
+    out = ref.generate(ids, mask, SamplingParams(max_new_tokens=TP_CHECK_TOKENS, temperature=0.0)).responses
+    del ref
+    gc.collect()
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
+    return {"reference": out}
+
+
+def _greedy_rows(eng: FastRolloutEngine, args: argparse.Namespace, device: str, vocab: int,
+                 ref: torch.Tensor | None) -> dict:
+    """The TP engine's greedy tokens (every rank calls) against rank 0's reference: rows equal over all
+    TP_CHECK_TOKENS, rows whose first token is equal, and the first position where any row differs."""
+    ids, mask = prompts_for(TP_CHECK_ROWS, args.prompt_len, vocab, device)
+    got = eng.generate(ids, mask, SamplingParams(max_new_tokens=TP_CHECK_TOKENS, temperature=0.0)).responses
+    if ref is None:
+        return {}
+    same = got.cpu() == ref.cpu()
+    differ = (~same).any(0).nonzero()
+    return dict(check_rows=TP_CHECK_ROWS, check_tokens=TP_CHECK_TOKENS, greedy_rows_equal=int(same.all(1).sum()),
+                greedy_first_token_equal=int(same[:, 0].sum()),
+                greedy_first_diff_at=int(differ[0]) if len(differ) else None)
+
+
+def _tp_row(model: torch.nn.Module, args: argparse.Namespace, shape: str, k: int, batch: int, new: int,
+            times: list[float], ceilings: dict, check: dict) -> dict:
+    total, first = times
+    dtype = getattr(torch, args.dtype)
+    nbytes, flops = roofline(model, dtype, batch, args.prompt_len, new, tp=k)
+    decode_s = max(total - first, 1e-9)
+    cfg, size = model.config, torch.finfo(dtype).bits // 8
+    reduced = 2 * cfg.num_hidden_layers * batch * cfg.hidden_size * size * (new - 1)  # o and down, every step
+    row = dict(shape=shape, tp=k, batch=batch, new_tokens=new, seconds=total, tokens_per_s=batch * new / total,
+               tokens_per_s_per_gpu=batch * new / total / k, decode_s=decode_s, step_ms=1e3 * decode_s / (new - 1),
+               rank_bytes=nbytes, rank_roofline_s=nbytes / ceilings["copy_Bps"],
+               rank_compute_floor_s=flops / (ceilings["matmul_tflops"] * 1e12),
+               rank_achieved_GBps=nbytes / decode_s / 1e9, allreduce_payload_bytes=reduced if k > 1 else 0,
+               allreduce_ring_bytes_per_rank=2 * (k - 1) / k * reduced, ceilings=ceilings, **check)
+    row["rank_roofline_frac"] = row["rank_roofline_s"] / decode_s
+    return row
+
+
+def tp_failures(rows: list[dict]) -> list[str]:
+    """What makes the run fail: a degree that did not finish, or first greedy tokens that differ broadly."""
+    bad = [f"tp {r['tp']}: {r['error']}" for r in rows if "error" in r]
+    for r in rows:
+        if "greedy_first_token_equal" in r and r["greedy_first_token_equal"] < TP_MIN_FIRST_EQUAL * r["check_rows"]:
+            bad.append(f"tp {r['tp']}: greedy first tokens equal TP 1's in {r['greedy_first_token_equal']} of "
+                       f"{r['check_rows']} rows")
+    return sorted(set(bad))
 
 
 def longtail_batching(args) -> list[dict]:
@@ -391,6 +571,23 @@ def _logprob_gap(model, ids, mask, out, temperature: float, reduce: str = "max")
     return float(gap.max() if reduce == "max" else gap.mean())
 
 
+def run_tp(args: argparse.Namespace, out: Path) -> None:
+    """--tp: the grid, its JSON (info from rank 0: the parent never touches a GPU), the table; exit 1 on a failure."""
+    info, rows = tp_grid(args)
+    failures = tp_failures(rows)
+    target = [dict(shape=r["shape"], batch=r["batch"], new_tokens=r["new_tokens"], per_gpu_vs_tp1=r["per_gpu_vs_tp1"],
+                   met=r["per_gpu_vs_tp1"] >= TP_TARGET) for r in rows
+              if r.get("tp") == 2 and r.get("batch") == 256 and "per_gpu_vs_tp1" in r]
+    write_json(out / f"decode_tp{args.tag}.json", {"info": info, "rows": rows, "failures": failures,
+                                                   f"target_tp2_per_gpu_ge_{TP_TARGET}": target})
+    print("target", target, flush=True)
+    print_table(rows, ["shape", "tp", "batch", "new_tokens", "tokens_per_s", "tokens_per_s_per_gpu", "per_gpu_vs_tp1",
+                       "step_ms", "rank_roofline_frac", "rank_achieved_GBps", "greedy_rows_equal",
+                       "greedy_first_token_equal"])
+    if failures:
+        sys.exit("decode --tp failed: " + "; ".join(failures))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
@@ -417,10 +614,18 @@ def main() -> None:
     p.add_argument("--longtail", action="store_true", help="continuous vs static batching on long-tailed lengths")
     p.add_argument("--requests", type=int, default=1024, help="--longtail: samples in all")
     p.add_argument("--max-len", type=int, default=1024, help="--longtail: the most new tokens of a sample")
+    p.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="tensor-parallel degrees, e.g. 1,2,4: each runs the fast engine on that many ranks (one "
+                   "GPU each, NCCL; gloo with --device cpu) and writes decode_tp<tag>.json")
+    p.add_argument("--tp-timeout", type=float, default=300.0, help="--tp: seconds one degree's ranks may take, "
+                   "start-up included (the collectives' timeout and each rank's own deadline)")
     p.add_argument("--tag", default="", help="suffix of the output file name")
     p.add_argument("--out", default=None, help="folder for decode_<engines>.json (default $OUT)")
     args = p.parse_args()
     out = out_dir(args.out)
+    if args.tp:
+        run_tp(args, out)
+        return
     result: dict = {"info": device_info(args.device)}
     if args.profile and not args.longtail:
         profile(args, out)

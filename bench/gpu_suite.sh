@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: scale1 scale1ray scale2 scale4 scale4driver e2e7b4 variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 e2e7bfast e2e1native e2e2native e2e2nativefsdp asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodeunfused decodeprof decodelongtail hostsync
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: scale1 scale1ray scale2 scale4 scale4driver e2e7b4 variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 e2e7bfast e2e1native e2e2native e2e2nativefsdp asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodetp decodeunfused decodeprof decodelongtail hostsync
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -143,6 +143,12 @@ for p in $PARTS; do case $p in
       --latency-s 0.05 --tag _latency50ms --out "$OUT" ;;
   decode)  # issue 14 item 4: fast engine vs the bytes roofline, 0.5B and 1.5B, batch 64/256 x 256/1024 new tokens
     run decode 300 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --engines fast --out "$OUT" ;;
+  decodetp)  # issue 37, 4-GPU host: the 7B shape's decode on 1, 2 and 4 GPUs (one TP engine over NCCL, CUDA graphs with
+    # the all-reduce captured), 256 prompts x 256 new tokens: tokens/s/GPU against TP 1, each rank's fraction of its
+    # memory roofline, greedy TP k == TP 1 on 16 prompts x 32 tokens. Estimated ~40-60 s a degree (start-up, a 7B
+    # drawn on each GPU, Triton compiles, graph captures), ~2-3 min in all; a degree stuck past 150 s is ended alone.
+    run decode_tp 240 python3 bench/decode.py --tp ${TP:-1,2,4} --shapes qwen2.5-7b --batches 256 --new-tokens 256 \
+      --tp-timeout 150 --out "$OUT" ;;
   decodecheck)  # the fast engine on this GPU: greedy == HF in fp32 (Triton/torch kernels, fused on/off), logprob gaps
     run decode_check 150 env CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/decode.py --check-only --out "$OUT" ;;
   decodeunfused)  # the same grid at batch 256 without the fused copies (the before/after of issue 14 item 4)
