@@ -282,6 +282,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     compute_dtype = resolve_compute_dtype(cfg, gpu["rollout"])
     check_vllm(cfg, gpu["rollout"])
     _check_tensor_parallel(cfg, world["rollout"])
+    _check_family(cfg)
     ref_from_actor = use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"]
     lora_base = _lora_base_dtype(cfg, autocast, colocated=roles["rollout"] == roles["actor"])
     passes, flash_ok = _attention_passes(cfg, autocast, lora_base, recompute=recompute,
@@ -306,6 +307,20 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 actor_autocast=autocast, rollout_compute_dtype=compute_dtype, flash_attention_ok=flash_ok,
                 sync_check=(check_syncs and cfg.rollout.sync_check.source == "probe"),
                 step_sync_check=(check_syncs and cfg.rollout.sync_check.source == "step"))
+
+
+def _check_family(cfg: RunConfig) -> None:
+    """A local checkpoint folder's model_type against the families the fast engine and the native forward run
+    (config/families.py), before any worker starts; other models are checked where they load."""
+    from fleetrl.config.families import family_problem
+    from fleetrl.config.tensor_parallel import folder_config
+
+    folder = folder_config(cfg.model.path)
+    model_type = None if folder is None else folder.get("model_type")
+    problem = family_problem(model_type if isinstance(model_type, str) else None, engine=cfg.rollout.engine,
+                             forward=cfg.actor.forward)
+    if problem is not None:
+        raise ConfigError(f"model.path={cfg.model.path}: {problem}")
 
 
 def _check_tensor_parallel(cfg: RunConfig, rollout_world: int) -> None:

@@ -26,16 +26,25 @@ def tp_shape_problem(k: int, num_heads: int, num_kv_heads: int, intermediate: in
             f"{', '.join(map(str, tp_degrees(num_heads, num_kv_heads, intermediate)))}")
 
 
-def folder_shape(model_path: str) -> tuple[int, int, int] | None:
-    """(num_heads, num_kv_heads, intermediate_size) of a local checkpoint folder, from its config.json without loading
-    anything; None for anything else (a hub id, a GGUF file, a `random:` or `tiny:` model: those shapes live in the
-    models layer, `models/shapes.py known_shape`, and the engine checks them when it builds, engines/fast/tp.py)."""
+def folder_config(model_path: str) -> dict | None:
+    """A local checkpoint folder's config.json, read without loading anything; None for anything else (a hub id, a
+    GGUF file, a `random:` or `tiny:` model: those shapes live in the models layer, `models/shapes.py`)."""
     import json
     from pathlib import Path
 
     try:
         cfg = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):  # not a folder, or not JSON
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def folder_shape(model_path: str) -> tuple[int, int, int] | None:
+    """(num_heads, num_kv_heads, intermediate_size) of a local checkpoint folder's config.json; None where there is
+    none or it is not a decoder config this reads (the engine checks those shapes when it builds, engines/fast/tp.py)."""
+    cfg = folder_config(model_path)
+    try:
         heads = int(cfg["num_attention_heads"])
         return heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"])
-    except (OSError, ValueError, KeyError, TypeError):  # not a folder, or not a decoder config this reads
+    except (KeyError, TypeError, ValueError):
         return None

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+from fleetrl.config.families import SUPPORTED_MODEL_TYPES  # the list, torch-free: the Plan reads it too
+
 # RoPE variants whose frequencies do not depend on the sequence length, so one precomputed table is exact.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -87,3 +87,21 @@ def test_shapes_and_degrees():
     assert tp_degrees(28, 4, 18944) == [1, 2, 4]
     assert tp_shape_problem(2, 28, 4, 18944) is None
     assert "intermediate_size=100" in tp_shape_problem(8, 32, 8, 100)
+
+
+def _folder(tmp_path, model_type: str):
+    (tmp_path / "config.json").write_text('{"model_type": "%s", "num_attention_heads": 8, "num_key_value_heads": 2, '
+                                          '"intermediate_size": 256}' % model_type)
+    return f"model.path={tmp_path}"
+
+
+def test_a_family_the_fast_paths_do_not_run_is_refused_by_the_plan(tmp_path):
+    """A local folder's model_type (config.json, read without loading) is checked before any worker starts; the
+    message names the alternatives and their measured cost (config/families.py)."""
+    msg = refused(_folder(tmp_path, "gemma3"), "model.tokenizer=qwen:", "rollout.engine=fast")
+    assert "rollout.engine=fast" in msg and "'gemma3'" in msg and "rollout.engine=vllm" in msg and "14.8x" in msg
+    msg = refused(_folder(tmp_path, "gemma3"), "model.tokenizer=qwen:", "rollout.engine=hf", "actor.forward=native")
+    assert "actor.forward=native" in msg and "actor.forward=hf" in msg
+    # the HF paths run any family; a supported one passes with the fast paths
+    assert plan(_folder(tmp_path, "gemma3"), "model.tokenizer=qwen:", "rollout.engine=hf", "actor.forward=hf")
+    assert plan(_folder(tmp_path, "qwen3"), "model.tokenizer=qwen:", "rollout.engine=fast", "actor.forward=native")
