@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: scale1 scale1ray scale2 scale4 scale4driver e2e7b4 variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 e2e7bfast e2e1native e2e2native e2e2nativefsdp asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodetp decodeunfused decodeprof decodelongtail hostsync
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: scale1 scale1ray scale2 scale4 scale4driver e2e7b4 variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 e2e7bfast e2e1native e2e2native e2e2nativefsdp asyncsync asyncasync asyncsyncpk asyncasyncpk multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodetp e2e32b e2eq3_1 e2eq3_4 decodeunfused decodeprof decodelongtail hostsync
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -113,10 +113,26 @@ for p in $PARTS; do case $p in
   scale1|scale1ray|scale2|scale4|scale4driver)  # weak scaling of the e2e target (0.5B shape, native compiled forward,
     # packed shared-prompt rows, 32 prompts x 8 samples per GPU): 1 GPU in-process (the baseline), 1 GPU through Ray
     # (Ray + controller alone), 2 and 4 GPUs with the rank-local step, 4 GPUs through the driver (trainer.rank_local=false)
+    # SCALE_SET: extra overrides for every row, e.g. cluster.pools.main.cpus_per_worker=4 (each Ray worker then
+    # decodes its responses with 4 tokenizer threads, workers/context.py), with SCALE_TAG naming the variant
     g=${p:5:1}; extra=""; [ "$p" = scale1ray ] && extra="cluster.backend=ray"; [ "$p" = scale4driver ] && extra="trainer.rank_local=false"
-    run "$p" 300 env CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((g - 1))) python3 bench/e2e.py --gpus "$g" --engine fast --steps 6 \
-      --warmup 3 --tag "_$p" --out "$OUT" actor.forward=native actor.compile=true algorithm.micro_batch_tokens=34816 \
-      actor.share_prompts=true actor.sharding=none $extra ;;
+    run "$p${SCALE_TAG:-}" 300 env CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((g - 1))) python3 bench/e2e.py --gpus "$g" --engine fast --steps 6 \
+      --warmup 3 --tag "_$p${SCALE_TAG:-}" --out "$OUT" actor.forward=native actor.compile=true algorithm.micro_batch_tokens=34816 \
+      actor.share_prompts=true actor.sharding=none $extra ${SCALE_SET:-} ;;
+  e2e32b)  # issue 37, 4x H200: the Qwen2.5-32B shape colocated on 4 GPUs, FSDP2 actor with optimiser offload, rollout
+    # engines of TP=${TP:-2} (4/TP engines), 32 prompts x 8 samples a step (8 per GPU), 128 + 256 tokens
+    run "e2e4_32b_tp${TP:-2}" 580 python3 bench/e2e.py --gpus 4 --engine fast --steps ${STEPS:-3} --warmup ${WARMUP:-1} \
+      --tag "_32b_tp${TP:-2}" --out "$OUT" model.path=random:qwen2.5-32b actor.sharding=fsdp2 actor.offload_optimizer=true \
+      actor.forward=native actor.compile=true algorithm.micro_batch_tokens=${TOKENS:-16384} actor.share_prompts=true \
+      rollout.tensor_parallel=${TP:-2} data.prompts_per_step=32 cluster.init_timeout_s=600 ;;
+  e2eq3_1|e2eq3_4)  # issue 37: the qwen3-8b shape with the fast stack (fast engine, native compiled forward, packed
+    # shared-prompt rows), 32 prompts x 8 samples per GPU; FSDP2 with optimiser offload at both sizes (8.2B with Adam
+    # unsharded does not fit one GPU beside the engine)
+    g=${p:6:1}
+    run "$p" 580 env CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((g - 1))) python3 bench/e2e.py --gpus "$g" --engine fast \
+      --steps ${STEPS:-4} --warmup ${WARMUP:-1} --tag "_qwen3_8b" --out "$OUT" model.path=random:qwen3-8b \
+      actor.sharding=fsdp2 actor.offload_optimizer=true actor.forward=native actor.compile=true \
+      algorithm.micro_batch_tokens=${TOKENS:-8192} actor.share_prompts=true cluster.init_timeout_s=600 ;;
   e2e7b4)  # the 7B shape on 4 GPUs: FSDP2 actor, colocated rollout, the fast stack; start-up to step 1 in bench/startup.py
     run e2e4_7b 560 python3 bench/e2e.py --gpus 4 --engine fast --steps ${STEPS:-4} --warmup ${WARMUP:-1} --tag _7b_4gpu \
       --out "$OUT" model.path=random:qwen2.5-7b actor.sharding=fsdp2 actor.offload_optimizer=true actor.forward=native actor.compile=true \
