@@ -119,12 +119,13 @@ for p in $PARTS; do case $p in
     run "$p${SCALE_TAG:-}" 300 env CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((g - 1))) python3 bench/e2e.py --gpus "$g" --engine fast --steps 6 \
       --warmup 3 --tag "_$p${SCALE_TAG:-}" --out "$OUT" actor.forward=native actor.compile=true algorithm.micro_batch_tokens=34816 \
       actor.share_prompts=true actor.sharding=none $extra ${SCALE_SET:-} ;;
-  e2e32b)  # issue 37, 4x H200: the Qwen2.5-32B shape colocated on 4 GPUs, FSDP2 actor with optimiser offload, rollout
+  e2e32b)  # issue 37, 4x H200: the Qwen2.5-32B shape colocated on 4 GPUs, FSDP2 actor with optimiser offload and
+    # checkpointed layers (16,384-token micro-batches keep ~4 GB of activations a layer otherwise), rollout
     # engines of TP=${TP:-2} (4/TP engines), 32 prompts x 8 samples a step (8 per GPU), 128 + 256 tokens
     run "e2e4_32b_tp${TP:-2}" 580 python3 bench/e2e.py --gpus 4 --engine fast --steps ${STEPS:-3} --warmup ${WARMUP:-1} \
       --tag "_32b_tp${TP:-2}" --out "$OUT" model.path=random:qwen2.5-32b actor.sharding=fsdp2 actor.offload_optimizer=true \
       actor.forward=native actor.compile=true algorithm.micro_batch_tokens=${TOKENS:-16384} actor.share_prompts=true \
-      rollout.tensor_parallel=${TP:-2} data.prompts_per_step=32 cluster.init_timeout_s=600 ;;
+      rollout.tensor_parallel=${TP:-2} data.prompts_per_step=32 model.gradient_checkpointing=true cluster.init_timeout_s=600 ;;
   e2eq3_1|e2eq3_4)  # issue 37: the qwen3-8b shape with the fast stack (fast engine, native compiled forward, packed
     # shared-prompt rows), 32 prompts x 8 samples per GPU; FSDP2 with optimiser offload at both sizes (8.2B with Adam
     # unsharded does not fit one GPU beside the engine)
