@@ -135,8 +135,10 @@ for p in $PARTS; do case $p in
       actor.sharding=fsdp2 actor.offload_optimizer=true actor.forward=native actor.compile=true \
       algorithm.micro_batch_tokens=${TOKENS:-8192} actor.share_prompts=true cluster.init_timeout_s=600 ;;
   e2e7b4)  # the 7B shape on 4 GPUs: FSDP2 actor, colocated rollout, the fast stack; start-up to step 1 in bench/startup.py
-    run e2e4_7b 560 python3 bench/e2e.py --gpus 4 --engine fast --steps ${STEPS:-4} --warmup ${WARMUP:-1} --tag _7b_4gpu \
-      --out "$OUT" model.path=random:qwen2.5-7b actor.sharding=fsdp2 actor.offload_optimizer=true actor.forward=native actor.compile=true \
+    # OFFLOAD=false keeps Adam's sharded state on the GPUs (a 4-way shard fits), TOKENS sets the micro-batch budget
+    run e2e4_7b 560 python3 bench/e2e.py --gpus 4 --engine fast --steps ${STEPS:-4} --warmup ${WARMUP:-1} \
+      --tag "_7b_4gpu${TAG7B:-}" --out "$OUT" model.path=random:qwen2.5-7b actor.sharding=fsdp2 \
+      actor.offload_optimizer=${OFFLOAD:-true} actor.forward=native actor.compile=true \
       algorithm.micro_batch_tokens=${TOKENS:-8192} actor.share_prompts=true ;;
   e2e7bfast)  # e2e7b with the fast stack, which FSDP2 takes since engines/sharding.py: native compiled forward,
     # packed shared-prompt rows (not run yet: no 2-GPU machine has been lent since)
