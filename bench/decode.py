@@ -201,13 +201,18 @@ def _tp_rank(rank: int, k: int, port: int, args: argparse.Namespace, shape: str,
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=k, timeout=timedelta(seconds=args.tp_timeout),
                             device_id=torch.device("cuda", rank) if on_gpu else None)
-    try:
-        rows = _tp_measure(args, shape, k, rank, f"cuda:{rank}" if on_gpu else "cpu")
-        if rank == 0:
-            queue.put({"info": device_info(args.device), "rows": rows})
-    finally:
-        dist.destroy_process_group()
-        faulthandler.cancel_dump_traceback_later()
+    rows = _tp_measure(args, shape, k, rank, f"cuda:{rank}" if on_gpu else "cpu")  # a raise exits 1 (deadline kept)
+    if rank == 0:
+        print(*rows, sep="\n", flush=True)  # in the log too, whatever happens to the queue
+        queue.put({"info": device_info(args.device), "rows": rows})
+    if on_gpu:
+        # NCCL's destroy_process_group hung on both ranks after the engine's graphs had captured its all-reduces
+        # (TP 2 on an H200 host, 2026-11-27: the deadline ended them and the measured rows were lost); ending the
+        # process frees the communicators anyway.
+        sys.stdout.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _tp_measure(args: argparse.Namespace, shape: str, k: int, rank: int, device: str) -> list[dict]:
