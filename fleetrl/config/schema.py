@@ -140,9 +140,15 @@ class RolloutConfig:
     dtype is refused."""
     tensor_parallel: int = 1
     """fast engine: ranks per engine, tensor parallel (engines/fast/tp.py: heads, MLP columns and KV cache split k
-    ways, two all-reduces per layer). The model's heads, KV heads and MLP width must be multiples of it, and the
-    rollout world size too (rollout workers / k engines). So far only the engine runs it (FastRolloutEngine's
-    tp_group): the rollout workers are not grouped yet, so the Plan refuses anything but 1."""
+    ways, two all-reduces per layer; workers/tp_group.py: rollout workers [e·k, (e+1)·k) run engine e). The model's
+    heads, KV heads and MLP width must be multiples of it, and the rollout world size too (rollout workers / k
+    engines). Synchronous single-turn runs: the Plan refuses it with trainer.mode=async or rollout.env."""
+    free_cache: bool | Literal["auto"] = "auto"
+    """A fast engine colocated with the trainer frees its KV cache, CUDA graphs and fused copies after each generate
+    call, so the update runs without them (verl's free_cache_engine); the next call allocates and captures again.
+    auto: always on a CPU (glibc keeps the pages otherwise); on a GPU when the cache would take more than a quarter
+    of the card (Qwen3-8B with 128 slots of 4,256 tokens: 75 GB, which ran the update out of memory on an H200).
+    A separate rollout pool keeps its cache."""
     val_temperature: float = 0.0
     """0 = greedy validation."""
     val_n: int = 1

@@ -67,6 +67,25 @@ def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer,
                            logprob_chunk_size=ctx.cfg.actor.logprob_chunk)
 
 
+CACHE_SHARE = 0.25  # rollout.free_cache=auto on a GPU: free a cache larger than this share of the card
+
+
+def frees_cache(ctx: WorkerContext, engine: RolloutEngine) -> bool:
+    """rollout.free_cache: whether a colocated fast engine frees its KV cache (and graphs, fused copies) after each
+    call. On a CPU, auto frees it: otherwise the update runs on top of it and glibc keeps the call's freed pages
+    (SmolLM2 LoRA on an AVX2 CPU: 0.72 GiB held through the update, bench/RESULTS.md "RSS over a whole run, third
+    round"; re-allocating costs ~1 ms). On a GPU, freeing costs the graphs' capture at the next call, so auto frees
+    only a cache over CACHE_SHARE of the card: Qwen3-8B colocated with 128 slots of 4,256 tokens holds 75 GB, and
+    its update ran out of memory on an H200 beside it."""
+    r = ctx.cfg.rollout
+    if r.engine != "fast" or not ctx.plan.rollout_colocated or r.free_cache is False:
+        return False
+    device = ctx.device()
+    if r.free_cache is True or device.type == "cpu":
+        return True
+    return engine.cache_bytes() > CACHE_SHARE * torch.cuda.get_device_properties(device).total_memory
+
+
 class RolloutComponent:
     def __init__(self, ctx: WorkerContext, model: torch.nn.Module, engine_group: EngineGroup | None = None) -> None:
         self.ctx = ctx
@@ -79,13 +98,7 @@ class RolloutComponent:
         # vLLM keeps its own copy of the weights: a colocated sync streams the actor's tensors into it (and checks
         # it); the hf and fast engines read the actor's parameters in place, so only the version moves.
         self.engine_holds_copy = ctx.cfg.rollout.engine == "vllm"
-        # A CPU engine colocated with the trainer hands its KV cache back after each call, and glibc the pages the
-        # call's temporaries freed (a LoRA merge, logits): otherwise the update runs on top of them and the step's
-        # peak is generate's memory plus the update's (SmolLM2 LoRA on an AVX2 CPU: 0.72 GiB held through the
-        # update, bench/RESULTS.md "RSS over a whole run, third round"). Re-allocating costs ~1 ms on CPU; CUDA
-        # graphs would be lost, so a GPU engine keeps its buffers.
-        self.release_after_call = (ctx.cfg.rollout.engine == "fast" and ctx.device().type == "cpu"
-                                   and ctx.plan.rollout_colocated)
+        self.release_after_call = frees_cache(ctx, self.engine)
         # FLEETRL_FAULT_SYNC_SKIP (tests of the policy check): a colocated engine that never sees some parameters'
         # updates; a separate pool's skip is in Worker.install_weights.
         self.stale = StaleView(model) if skipped_patterns() and ctx.plan.rollout_colocated else None

@@ -210,6 +210,12 @@ class FastRolloutEngine:
     def wake(self) -> None:
         """Nothing to restore: the next `generate` allocates a cache of the size it needs."""
 
+    def cache_bytes(self) -> int:
+        """The KV cache's bytes at its largest (max_batch slots of max_seq_len positions, this rank's KV heads)."""
+        s = self.local_spec
+        per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
+        return per_token * self.max_batch * self.max_seq_len
+
     # ------------------------------------------------------------------------------------------ setup
     def _check_weights(self) -> torch.dtype:
         from fleetrl.models.lora import lora_layers
