@@ -23,7 +23,7 @@ from fleetrl.models.meta_init import is_deferred, materialize
 from fleetrl.models.native import NativeForward
 from fleetrl.models.packing import CPU_ALIGN, PACK_ALIGN, HostRows, PackedForward, padded_token_slots
 from fleetrl.workers.context import WorkerContext, dtype_of
-from fleetrl.workers.layout import pad_response, update_micro_batches
+from fleetrl.workers.layout import pad_response, split_micro_batches, update_micro_batches
 from fleetrl.workers.messages import CorrectionSpec, Extreme, MiniBatchCounts, UpdateMetrics, UpdateSpec
 from fleetrl.workers.update import run_update
 
@@ -66,8 +66,13 @@ def batched_logprobs(model: torch.nn.Module, batch: Batch, *, micro: int, temper
     device = next(model.parameters()).device
     logps, ents = [], []
     full_r = batch["response_mask"].shape[1]  # each micro-batch's outputs are padded back to the batch's width
-    mbs = update_micro_batches(batch, micro, packed.max_tokens if packed else None, bool(packed and packed.share_prompts))
-    for mb, real in engine.aligned(mbs) if engine is not None else ((mb, True) for mb in mbs):
+    tokens, share = (packed.max_tokens if packed else None), bool(packed and packed.share_prompts)
+    mbs = update_micro_batches(batch, micro, tokens, share)
+    # FSDP2: a rank with fewer micro-batches than another re-cuts its rows into as many (each row still once, in
+    # order, so the outputs concatenate as before) rather than repeating one to keep the gathers in step.
+    passes = (engine.aligned(mbs, split=lambda n: split_micro_batches(batch, n, tokens, share)) if engine is not None
+              else [(mb, True) for mb in mbs])
+    for mb, real in passes:
         heartbeat.beat()
         mb = mb.to(device)
         args = (model, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"])
