@@ -108,6 +108,8 @@ def local_metrics(rollouts: list[RolloutReport], prepares: list[PrepareReport], 
     for r in rollouts:
         for k, v in r.timing.items():
             m[f"train/time/{k}"] = max(m.get(f"train/time/{k}", 0.0), float(v))
+        for k, v in r.memory.items():  # the largest rank's
+            m[f"train/{k}"] = max(m.get(f"train/{k}", 0.0), float(v))
     m["train/time/step"] = step_s
     m["train/tokens_per_s"] = sum(r.tokens for r in rollouts) / max(step_s, 1e-9)
     return m

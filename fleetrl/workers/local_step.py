@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from fleetrl.batch import Batch
 from fleetrl.workers.episodes import generate_keys
+from fleetrl.workers.memory import memory_peaks
 from fleetrl.workers.messages import (
     GenerateRequest,
     Moments,
@@ -73,7 +74,11 @@ class LocalStep:
             mean = stats.pop("overlong_penalty_mean")
             moments["overlong_penalty"] = Moments(n=float(len(batch)), total=mean * len(batch))
         timing = {**batch.meta.pop("timing", {}), "score": time.perf_counter() - t0}
-        return RolloutReport(moments=moments, counters=stats, timing=timing,
+        # The rollout phase's own peaks (read and reset here), so a step's memory shows per phase: what generation
+        # held (the engine's cache, an FSDP2 unshard) apart from what the update needs (the next report's peaks).
+        memory = {name.replace("memory/", "memory/generate/", 1): e.value
+                  for name, e in memory_peaks(self.ctx.device()).items()}
+        return RolloutReport(moments=moments, counters=stats, timing=timing, memory=memory,
                              tokens=float(batch["prompt_mask"].sum() + lengths.sum()))
 
     def prepare(self, req: PrepareRequest) -> PrepareReport:

@@ -200,6 +200,9 @@ class RolloutReport:
     """Prompt + response tokens of this rank's samples (throughput)."""
     timing: Mapping[str, float]
     """Parts of the phase timed inside the worker (generate/*, score)."""
+    memory: Mapping[str, float] = field(default_factory=dict)
+    """This process's memory peaks over the rollout phase (memory/generate/*_gib, workers/memory.py); the update
+    report's peaks then cover what follows it (log-probs and the update)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

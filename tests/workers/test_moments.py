@@ -2,8 +2,10 @@
 ranks report of their halves gives the numbers of the whole batch."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import pytest
 import torch
 
 from fleetrl.trainer.metrics import local_metrics
@@ -65,3 +67,23 @@ def test_merge_moments_by_name():
     merged = merge_moments([{"a": Moments.of(torch.tensor([1.0]))}, {"a": Moments.of(torch.tensor([3.0])),
                                                                      "b": Moments.of(torch.tensor([5.0]))}])
     assert merged["a"].mean == 2.0 and merged["b"].n == 1.0
+
+
+def test_the_generate_phase_memory_peak_is_the_largest_ranks():
+    r0, p0 = _reports([1.0, 0.0], [3.0, 5.0], "math")
+    r1, p1 = _reports([0.0, 0.0], [2.0, 2.0], "math")
+    r0 = dataclasses.replace(r0, memory={"memory/generate/gpu_peak_allocated_gib": 70.5})
+    r1 = dataclasses.replace(r1, memory={"memory/generate/gpu_peak_allocated_gib": 71.25})
+    m = local_metrics([r0, r1], [p0, p1], kl=None, timings={}, step_s=1.0, recomputed=False)
+    assert m["train/memory/generate/gpu_peak_allocated_gib"] == 71.25
+
+
+@pytest.mark.slow  # a whole (one-step) run: ~12 s
+def test_the_rank_local_step_reports_the_rollout_phases_peak_apart(tmp_path):
+    """A whole rank-local run (in process, CPU): the rollout phase's peak is its own metric beside the update's."""
+    from tests.integration.helpers import train_run
+
+    rows = train_run("examples/quickstart.yaml", tmp_path, "trainer.total_steps=1", "trainer.val_every=0",
+                     "trainer.val_before_train=false", "tracking.tensorboard=false")
+    step = next(r for r in rows if "train/actor/pg_loss" in r)
+    assert step["train/memory/generate/rss_peak_gib"] >= 0.01 and step["train/memory/rss_peak_gib"] >= 0.01
