@@ -173,3 +173,11 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in cells:
         print("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |")
+
+
+def step_peak(record: dict, name: str = "gpu_peak_allocated_gib") -> float | None:
+    """A step's memory peak from its metrics record: the largest of the rollout phase's (`train/memory/generate/*`,
+    the rank-local step reads and resets it when generation ends) and the rest of the step's (`train/memory/*`,
+    read at the update report); None when the step logged neither."""
+    got = [record[k] for k in (f"train/memory/{name}", f"train/memory/generate/{name}") if k in record]
+    return max(got, default=None)

@@ -12,8 +12,8 @@ clipping at --max-len 1024 new tokens; bench/longtail.py documents the rule); lo
 Reported besides: padding waste = 1 - real tokens / token slots of the actor update's forwards (a padded
 micro-batch computes B × (longest prompt + longest response) slots, a packed one its real tokens rounded up
 to the row alignment); update MFU = `update_flops` / update time / dense bf16 peak (bench/README.md);
-peak GPU memory over the whole run, warm-up included (the workers' train/memory/gpu_peak_allocated_gib, max over
-steps and ranks).
+peak GPU memory over the whole run, warm-up included (the workers' train/memory/gpu_peak_allocated_gib and, on the
+rank-local step, train/memory/generate/gpu_peak_allocated_gib: max over steps, phases and ranks).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import longtail  # noqa: E402
-from bench.common import matmul_params, peak_bf16_tflops  # noqa: E402
+from bench.common import matmul_params, peak_bf16_tflops, step_peak  # noqa: E402
 from fleetrl.config import derive_plan, load_config  # noqa: E402
 from fleetrl.models.shapes import QWEN3, QWEN25, RANDOM_PREFIX, shape_config  # noqa: E402
 from fleetrl.trainer.run import run_plan  # noqa: E402
@@ -253,7 +253,7 @@ def peak_gpu_mem_gib(steps: list[dict]) -> float | None:
     """The largest per-step peak the workers logged. Not this process's torch.cuda.max_memory_allocated: the
     workers reset it at every update report (workers/memory.py), and on the Ray backend this process holds no
     model. What this process allocated after the last report still counts in the local backend."""
-    logged = [r["train/memory/gpu_peak_allocated_gib"] for r in steps if "train/memory/gpu_peak_allocated_gib" in r]
+    logged = [m for m in map(step_peak, steps) if m is not None]
     if torch.cuda.is_available():
         logged.append(torch.cuda.max_memory_allocated() / 2**30)
     return max(logged, default=None)

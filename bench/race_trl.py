@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import device_info  # noqa: E402
+from bench.common import device_info, step_peak  # noqa: E402
 
 MODEL = "smollm2-135m"
 HP: dict[str, Any] = {"prompts_per_step": 8, "n": 8, "max_new_tokens": 48, "temperature": 1.0, "lr": 5e-6,
@@ -200,7 +200,7 @@ def run_fleetrl(args: argparse.Namespace, result: dict[str, Any]) -> None:
     result["val_curve"] = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "acc": r["val/reward_mean"]}
                            for r in stamper.records if "val/reward_mean" in r]
     result["records"] = stamper.records  # every metrics.jsonl record, stamped: the run's whole story in one file
-    mem = [r.get("train/memory/gpu_peak_allocated_gib") for r in steps]
+    mem = [step_peak(r) for r in steps]
     result["peak_gpu_gib"] = max((m for m in mem if m is not None), default=None)
     model, _ = load_actor_model(run_dir / "checkpoints" / f"step_{args.steps}")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -15,3 +15,12 @@ def test_a_profiled_step_inside_the_timed_window_is_refused_with_the_fix(tmp_pat
     assert "--profile-step 6 falls in the timed steps (--warmup 3)" in out.stderr
     assert "profile a warm-up step (1..3)" in out.stderr
     assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
+def test_a_steps_memory_peak_is_the_larger_of_its_two_phases():
+    from bench.common import step_peak
+
+    assert step_peak({"train/memory/gpu_peak_allocated_gib": 20.0, "train/memory/generate/gpu_peak_allocated_gib": 75.5}) == 75.5
+    assert step_peak({"train/memory/gpu_peak_allocated_gib": 20.0}) == 20.0
+    assert step_peak({"train/memory/generate/rss_peak_gib": 2.0}, "rss_peak_gib") == 2.0
+    assert step_peak({"train/reward_mean": 0.5}) is None
