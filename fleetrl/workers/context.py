@@ -48,11 +48,12 @@ class WorkerContext:
         # another process has preempted: measured on an H200 host, aten::index on a 256-row batch took 8 ms
         # instead of 0.02 ms in such runs, 170 ms before the update's first kernel (bench/RESULTS.md).
         torch.set_num_threads(self.pool_plan.cpu_threads)
-        share_tokenizer_threads(self.pool_plan.cpu_threads, self.cfg.cluster.env)
+        if self.cfg.cluster.backend == "ray":  # the local backend's worker is the driver: its env stays the user's
+            share_tokenizer_threads(self.pool_plan.cpu_threads, self.cfg.cluster.env)
 
 
 def share_tokenizer_threads(threads: int, user_env: dict[str, str]) -> None:
-    """A worker given several CPUs decodes its responses with that many tokenizer threads. Ray workers start with
+    """A Ray worker given several CPUs decodes its responses with that many tokenizer threads. Ray workers start with
     TOKENIZERS_PARALLELISM=false (cluster/runtime.py: several one-CPU workers on a machine must not oversubscribe),
     which made the rank-local step's decode serial: scoring 256 samples took 0.067-0.079 s in a Ray worker against
     0.043 s in the driver process (bench/RESULTS.md, the rank-local weak scaling). The Rust backend sizes its

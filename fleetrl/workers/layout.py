@@ -69,7 +69,10 @@ def split_micro_batches(batch: Batch, count: int, max_tokens: int | None, share_
         starts = [i * q + min(i, extra) for i in range(count + 1)]
         return [trim_padding(batch.select(range(a, b))) for a, b in zip(starts, starts[1:])]
     full, cont = _row_tokens(batch, share_prompts)
-    lo, hi = max(full), sum(full)
+    # Search budgets up to max_tokens, which this rank's own cut (fewer than `count` micro-batches) shows feasible;
+    # a row over the budget stands alone at any budget. Starting at the longest row instead let a row longer than
+    # max_tokens raise the budget of every other micro-batch past max_tokens (34 tokens under a budget of 30).
+    lo, hi = 1, min(max_tokens, sum(full))
     while lo < hi:  # the smallest largest micro-batch that `count` of them allow (greedy packing is optimal)
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if len(_budget_groups(full, cont, mid)) <= count else (mid + 1, hi)

@@ -7,6 +7,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Callable, ContextManager, Iterator
 
 import torch
+import torch.distributed as dist
 
 from fleetrl.batch import Batch
 from fleetrl.engines.protocol import RolloutEngine, SamplingParams
@@ -99,6 +100,12 @@ class RolloutComponent:
         # it); the hf and fast engines read the actor's parameters in place, so only the version moves.
         self.engine_holds_copy = ctx.cfg.rollout.engine == "vllm"
         self.release_after_call = frees_cache(ctx, self.engine)
+        if engine_group is not None:
+            # An engine's ranks free (and capture again) together, or their collectives would not match: freeing
+            # is decided per card, and a pool may mix cards.
+            flag = torch.tensor([int(self.release_after_call)], device=ctx.device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=engine_group.group)
+            self.release_after_call = bool(flag.item())
         # FLEETRL_FAULT_SYNC_SKIP (tests of the policy check): a colocated engine that never sees some parameters'
         # updates; a separate pool's skip is in Worker.install_weights.
         self.stale = StaleView(model) if skipped_patterns() and ctx.plan.rollout_colocated else None

@@ -61,3 +61,14 @@ def test_more_micro_batches_than_rows_gives_one_row_each_and_trims_padding():
     assert _rows(mbs) == [[i] for i in range(8)]  # the rest are the caller's (unavoidable) repeats
     assert [mb["responses"].shape[1] for mb in mbs] == LENGTHS
     assert all(mb["responses"].shape[1] <= 4 for mb in mbs)  # trimmed; pad_response pads back to the batch's 4
+
+
+def test_a_row_over_the_budget_does_not_raise_the_budget_of_the_others():
+    # tokens 10 32 2 26 11 14 39 34 (1-token prompts): a budget of 30 leaves 32, 39 and 34 alone; cut into 7, the
+    # others must stay within 30 (a search starting at the longest row, 39, packed 32 + 2 = 34 together)
+    tokens = [10, 32, 2, 26, 11, 14, 39, 34]
+    batch = _batch([1] * 8, [t - 1 for t in tokens])
+    mbs = split_micro_batches(batch, 7, 30)
+    assert sum(_rows(mbs), []) == list(range(8)) and len(mbs) == 7
+    for rows in _rows(mbs):
+        assert len(rows) == 1 or sum(tokens[i] for i in rows) <= 30, rows
