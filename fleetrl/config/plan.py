@@ -34,6 +34,7 @@ from fleetrl.config.precision import (
     resolve_precision,
 )
 from fleetrl.config.schema import PoolConfig, RunConfig
+from fleetrl.config.tensor_parallel import folder_config
 from fleetrl.config.vllm_check import check_vllm
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
@@ -281,8 +282,9 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     autocast = resolve_precision("actor.autocast", cfg.actor.autocast, gpu["actor"], "off")
     compute_dtype = resolve_compute_dtype(cfg, gpu["rollout"])
     check_vllm(cfg, gpu["rollout"])
-    _check_tensor_parallel(cfg, world["rollout"])
-    _check_family(cfg)
+    folder = folder_config(cfg.model.path)  # a local checkpoint's config.json, read once for both checks
+    _check_tensor_parallel(cfg, world["rollout"], folder)
+    _check_family(cfg, folder)
     ref_from_actor = use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"]
     lora_base = _lora_base_dtype(cfg, autocast, colocated=roles["rollout"] == roles["actor"])
     passes, flash_ok = _attention_passes(cfg, autocast, lora_base, recompute=recompute,
@@ -309,13 +311,11 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 step_sync_check=(check_syncs and cfg.rollout.sync_check.source == "step"))
 
 
-def _check_family(cfg: RunConfig) -> None:
+def _check_family(cfg: RunConfig, folder: dict | None) -> None:
     """A local checkpoint folder's model_type against the families the fast engine and the native forward run
     (config/families.py), before any worker starts; other models are checked where they load."""
     from fleetrl.config.families import family_problem
-    from fleetrl.config.tensor_parallel import folder_config
 
-    folder = folder_config(cfg.model.path)
     model_type = None if folder is None else folder.get("model_type")
     problem = family_problem(model_type if isinstance(model_type, str) else None, engine=cfg.rollout.engine,
                              forward=cfg.actor.forward)
@@ -323,11 +323,11 @@ def _check_family(cfg: RunConfig) -> None:
         raise ConfigError(f"model.path={cfg.model.path}: {problem}")
 
 
-def _check_tensor_parallel(cfg: RunConfig, rollout_world: int) -> None:
+def _check_tensor_parallel(cfg: RunConfig, rollout_world: int, folder: dict | None) -> None:
     """rollout.tensor_parallel: the fast engine's, dividing the rollout workers into engines of k ranks
     (workers/tp_group.py) and the model's heads, KV heads and MLP width into k shards (where the config layer can
     read the shape: a local folder's config.json; any other model's is checked by the engine when it builds)."""
-    from fleetrl.config.tensor_parallel import folder_shape, tp_shape_problem
+    from fleetrl.config.tensor_parallel import config_shape, tp_shape_problem
 
     k = cfg.rollout.tensor_parallel
     if k == 1:
@@ -348,7 +348,7 @@ def _check_tensor_parallel(cfg: RunConfig, rollout_world: int) -> None:
             raise ConfigError(f"rollout.tensor_parallel={k} runs in synchronous single-turn steps; {key} feeds each "
                               "rollout worker on its own: set rollout.tensor_parallel=1 (one engine per GPU), or "
                               "use the synchronous mode")
-    shape = folder_shape(cfg.model.path)
+    shape = config_shape(folder)
     problem = None if shape is None else tp_shape_problem(k, *shape)
     if problem is not None:
         raise ConfigError(f"rollout.tensor_parallel={k} cannot split model.path={cfg.model.path}: {problem}")

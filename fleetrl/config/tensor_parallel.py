@@ -42,7 +42,11 @@ def folder_config(model_path: str) -> dict | None:
 def folder_shape(model_path: str) -> tuple[int, int, int] | None:
     """(num_heads, num_kv_heads, intermediate_size) of a local checkpoint folder's config.json; None where there is
     none or it is not a decoder config this reads (the engine checks those shapes when it builds, engines/fast/tp.py)."""
-    cfg = folder_config(model_path)
+    return config_shape(folder_config(model_path))
+
+
+def config_shape(cfg: dict | None) -> tuple[int, int, int] | None:
+    """folder_shape's reading of an already loaded config.json (None: no folder)."""
     try:
         heads = int(cfg["num_attention_heads"])
         return heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"])
