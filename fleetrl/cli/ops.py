@@ -116,7 +116,8 @@ def doctor(
                                                                                    "or ./runs."),
     token_file: Optional[Path] = TokenFile,
     state_file: Optional[Path] = StateFile,
-    min_free_gb: float = typer.Option(20.0, "--min-free-gb"),
+    min_free_gb: Optional[float] = typer.Option(None, "--min-free-gb", help="Free GB each node needs at the "
+                                                "checkpoint path (default: what the config's run writes, else 20)."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds per probe / all-reduce."),
 ) -> None:
     """Check the cluster: versions, GPUs, env, placement, shared filesystem, ports, all-reduce, disk. With no

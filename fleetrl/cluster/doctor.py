@@ -71,13 +71,17 @@ class NodeProbe:
     marker_error: str | None = None
 
 
+DEFAULT_FREE_GB = 20.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class DoctorOptions:
     address: str | None
     """None: no cluster to check; this machine is checked through a local Ray started for the check."""
     checkpoint_path: Path
     config_path: Path | None = None
-    min_free_gb: float = 20.0
+    min_free_gb: float | None = None
+    """None: what the config's run writes (`disk_need`), else DEFAULT_FREE_GB."""
     timeout_s: float = 60.0
     allreduce_mb: float = 16.0
 
@@ -164,14 +168,15 @@ def check_ports(probes: list[NodeProbe]) -> CheckResult:
     return CheckResult("ports", True, "every node reaches the others' Ray ports")
 
 
-def check_disk(probes: list[NodeProbe], path: Path, min_free_gb: float) -> CheckResult:
+def check_disk(probes: list[NodeProbe], path: Path, min_free_gb: float, basis: str = "--min-free-gb") -> CheckResult:
     low = [f"{p.ip}: {'unknown' if p.disk_free_bytes is None else f'{p.disk_free_bytes / GB:.1f} GB'}"
            for p in probes if p.disk_free_bytes is None or p.disk_free_bytes < min_free_gb * GB]
     if low:
-        return CheckResult("disk", False, f"free at {path} below {min_free_gb:g} GB: {'; '.join(low)}",
+        return CheckResult("disk", False, f"free at {path} below {min_free_gb:.3g} GB ({basis}): {'; '.join(low)}",
                            "free space there or point --checkpoint-path / trainer.output_dir at a larger disk")
     least = min(p.disk_free_bytes or 0 for p in probes) / GB if probes else 0
-    return CheckResult("disk", True, f"≥ {least:.1f} GB free at {path} on every node")
+    return CheckResult("disk", True, f"≥ {least:.1f} GB free at {path} on every node (needs {min_free_gb:.3g} GB: "
+                                     f"{basis})")
 
 
 def allreduce_result(timing: Mapping[str, float] | None, error: str | None, *, backend: str,
@@ -201,7 +206,7 @@ def run_doctor(opts: DoctorOptions, token: Any = None) -> list[CheckResult]:
         else:
             results += [_safe(check_versions, probes), _safe(check_gpus, probes, nodes),
                         _safe(check_visibility_env, probes), _safe(check_shared_fs, path, probes, seen),
-                        _safe(check_ports, probes), _safe(check_disk, probes, path, opts.min_free_gb)]
+                        _safe(check_ports, probes), _safe(check_disk, probes, path, *disk_need(opts))]
         if opts.config_path is not None:
             results.append(_safe(_placement_from_config, opts.config_path, nodes))
         results.append(_run_allreduce(ray, nodes, opts))
@@ -285,6 +290,31 @@ def _safe(check: Callable[..., CheckResult], *args: Any) -> CheckResult:
     except Exception as e:  # a broken check is a failed row, never a crashed doctor
         return CheckResult(check.__name__.removeprefix("check_").removeprefix("_"), False, f"{type(e).__name__}: {e}",
                            "see the detail")
+
+
+def disk_need(opts: DoctorOptions) -> tuple[float, str]:
+    """The free GB each node needs and why: --min-free-gb where given; else what the config's run writes
+    (Plan.disk_bytes for the model's parameter count, plus 1 GB for logs and scratch); else DEFAULT_FREE_GB. Why:
+    a fixed 20 GB failed the quickstart, whose checkpoints take a few MB, on a machine with 15 GB free."""
+    if opts.min_free_gb is not None:
+        return opts.min_free_gb, "--min-free-gb"
+    if opts.config_path is None:
+        return DEFAULT_FREE_GB, "the default with no config to size the run by"
+    from fleetrl.config import derive_plan, load_config
+    from fleetrl.models.hf import parameter_count
+
+    cfg = load_config(opts.config_path)
+    try:
+        plan = derive_plan(cfg)
+        params = parameter_count(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception:  # a config the Plan refuses fails the placement row with its reason; size by the default
+        return DEFAULT_FREE_GB, "the default: the config did not give a plan to size the run by"
+    if params is None:
+        return DEFAULT_FREE_GB, f"the default: the size of model.path={cfg.model.path} is not known before it loads"
+    t = cfg.trainer
+    return 1 + plan.disk_bytes(params) / GB, (f"the run's checkpoints for {params / 1e9:.3g}B parameters at "
+                                               f"trainer.keep_last={t.keep_last}, save_every={t.save_every}, "
+                                               f"and 1 GB for logs")
 
 
 def _placement_from_config(config_path: Path, nodes: list[NodeInfo]) -> CheckResult:

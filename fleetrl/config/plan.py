@@ -38,6 +38,7 @@ from fleetrl.config.tensor_parallel import folder_config
 from fleetrl.config.vllm_check import check_vllm
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 SeedPurpose = Literal["worker", "engine", "generate", "validate", "sampler", "sync_check"]
@@ -182,6 +183,21 @@ class Plan:
         if purpose == "sync_check":  # the policy check's probe after the sync to weights version `step`
             return ((s + 13) * 100_003 + step) * 1009 + rank
         raise ValueError(f"unknown seed purpose {purpose!r}")
+
+    def disk_bytes(self, params: int) -> int:
+        """At most what the run writes under trainer.output_dir for a model of `params` parameters: the checkpoints
+        held at once (keep_last, plus the one being written before the oldest goes, plus those keep_every keeps;
+        each the actor's weights in model.dtype and its Adam moments, up to 8 bytes a parameter, and the critic's
+        alike) and the Hugging Face exports. An upper bound: a LoRA checkpoint holds far less (adapters only).
+        `fleetrl doctor` checks each node's free space against it."""
+        t = self.config.trainer
+        saves = -(-self.total_steps // t.save_every) if t.save_every else 1
+        held = saves if t.keep_last == 0 else min(saves, t.keep_last + 1)
+        held += self.total_steps // t.keep_every if t.keep_every else 0
+        weights = params * DTYPE_BYTES[self.config.model.dtype]
+        checkpoint = (weights + 8 * params) * (2 if self.use_critic else 1)
+        exports = self.total_steps // t.export_every if t.export_every else 0
+        return held * checkpoint + exports * weights
 
     def summary(self) -> dict:
         return {

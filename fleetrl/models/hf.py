@@ -381,3 +381,22 @@ def _looks_like_hub_id(name: str) -> bool:
 def _transformers_at_least(version: str) -> bool:
     have = tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
     return have >= tuple(int(x) for x in version.split("."))
+
+
+def parameter_count(path_or_id: str, *, trust_remote_code: bool = False) -> int | None:
+    """Parameters of the model `path_or_id` names, counted without reading weights: a `random:` shape and a local
+    folder's config.json are built on the meta device, a `tiny:` model for real (it is small). None where the shape
+    is not on this machine (a hub id, a GGUF file): what a caller sizing a disk then falls back on."""
+    if path_or_id.startswith(TINY_PREFIX):
+        return sum(p.numel() for p in load_causal_lm(path_or_id).parameters())
+    if path_or_id.startswith(shapes.RANDOM_PREFIX):
+        return sum(p.numel() for p in load_causal_lm(path_or_id, device="meta").parameters())
+    folder = Path(path_or_id).expanduser()
+    if not (folder / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return sum(p.numel() for p in model.parameters())

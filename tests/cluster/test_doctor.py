@@ -98,8 +98,33 @@ def test_ports_and_disk():
     r = dr.check_ports([_probe("a", unreachable=["b:6379 (Connection refused)"])])
     assert not r.ok and r.detail == "a -> b:6379 (Connection refused)" and "firewall" in r.fix
     r = dr.check_disk([_probe("a"), _probe("b", disk_free_bytes=5 * GB)], Path("/ckpt"), 20)
-    assert not r.ok and r.detail == "free at /ckpt below 20 GB: b: 5.0 GB"
-    assert dr.check_disk([_probe("a")], Path("/ckpt"), 20).detail == "≥ 100.0 GB free at /ckpt on every node"
+    assert not r.ok and r.detail == "free at /ckpt below 20 GB (--min-free-gb): b: 5.0 GB"
+    assert (dr.check_disk([_probe("a")], Path("/ckpt"), 20).detail
+            == "≥ 100.0 GB free at /ckpt on every node (needs 20 GB: --min-free-gb)")
+
+
+def _opts(config: Path | None, min_free_gb: float | None = None) -> dr.DoctorOptions:
+    return dr.DoctorOptions(address=None, checkpoint_path=Path("/ckpt"), config_path=config, min_free_gb=min_free_gb)
+
+
+def test_disk_need_is_what_the_configs_run_writes(tmp_path):
+    """The quickstart once failed `fleetrl doctor` on a machine with 15 GB free against a fixed 20 GB, for
+    checkpoints of a few MB: the need is now the run's own (Plan.disk_bytes), the flag and the default kept."""
+    from fleetrl.models.hf import load_causal_lm
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: {path: 'tiny:hidden=64'}\ntrainer: {total_steps: 10, save_every: 2, keep_last: 2}\n")
+    params = sum(p.numel() for p in load_causal_lm("tiny:hidden=64").parameters())
+    need, basis = dr.disk_need(_opts(cfg))
+    # 5 saves, 3 held (keep_last + the one being written); float32 weights + 8 bytes of Adam state a parameter
+    assert need == pytest.approx(1 + 3 * 12 * params / GB)
+    assert "keep_last=2" in basis and "save_every=2" in basis
+    assert dr.disk_need(_opts(cfg, 5.0)) == (5.0, "--min-free-gb")
+    assert dr.disk_need(_opts(None))[0] == dr.DEFAULT_FREE_GB
+    hub = tmp_path / "hub.yaml"
+    hub.write_text("model: {path: 'some-org/some-model'}\n")
+    need, basis = dr.disk_need(_opts(hub))
+    assert need == dr.DEFAULT_FREE_GB and "not known before it loads" in basis
 
 
 def test_allreduce_result():

@@ -94,3 +94,16 @@ def test_summary_lists_every_derived_number():
                       "rank_local", "flash_attention_ok"}
     assert s["samples_per_step"] == 32 and s["roles"]["actor"] == "main (dp=1)"
     assert s["rollout_engine"] == {"max_batch": 32, "max_seq_len": 512 + 64}  # schema defaults
+
+
+def test_disk_bytes_counts_the_checkpoints_held_at_once():
+    # 1000 parameters, float32: a checkpoint is 4 + 8 (Adam) bytes a parameter = 12,000 bytes
+    p = _plan("trainer.total_steps=10", "trainer.save_every=2", "trainer.keep_last=2")
+    assert p.disk_bytes(1000) == 3 * 12_000  # 5 saves; keep_last + the one being written
+    p = _plan("trainer.total_steps=10", "trainer.save_every=3", "trainer.keep_last=0")
+    assert p.disk_bytes(1000) == 4 * 12_000  # keep all: steps 3, 6, 9 and the last
+    p = _plan("trainer.total_steps=10", "trainer.save_every=0", "trainer.export_every=5", "model.dtype=bfloat16")
+    assert p.disk_bytes(1000) == 10_000 + 2 * 2_000  # the last checkpoint (2 + 8 bytes) and two bf16 exports
+    p = _plan("trainer.total_steps=10", "trainer.save_every=1", "trainer.keep_last=1", "trainer.keep_every=5",
+              "algorithm.advantage=gae")
+    assert p.disk_bytes(1000) == (2 + 2) * 2 * 12_000  # 2 held + steps 5 and 10 kept; actor and critic

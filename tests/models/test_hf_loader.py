@@ -159,3 +159,16 @@ def test_gguf_without_package_names_the_install(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # makes `import gguf` raise ImportError
     with pytest.raises(ValueError, match="pip install gguf"):
         load_causal_lm(f"gguf:{path}")
+
+
+def test_parameter_count_is_the_loaded_models_without_reading_weights(tmp_path):
+    from fleetrl.models.hf import parameter_count
+
+    def numel(model) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+    folder = save_tiny(tmp_path / "m", hidden_size=32, num_layers=3, arch="qwen2")
+    assert parameter_count(str(folder)) == numel(load_causal_lm(str(folder)))
+    assert parameter_count("tiny:hidden=32,layers=1") == numel(load_causal_lm("tiny:hidden=32,layers=1"))
+    assert parameter_count("random:qwen2.5-test") == numel(load_causal_lm("random:qwen2.5-test"))
+    assert parameter_count("some-org/some-model") is None  # not on this machine: the caller's default applies
