@@ -153,6 +153,8 @@ class Plan:
     """The policy check on each step's own samples (rollout.sync_check with source=step, the default): as
     `sync_check`, but judged on the step's mean rollout-vs-trainer log-prob gap, which costs nothing extra."""
     flash_attention_ok: bool = False
+    rollout_owns_weights: bool = False
+    """rollout.own_weights resolved: the fast engine decodes from its own copy, filled layer by layer (owned.py)."""
     """Every pass of the actor's own forward (the update; the old log-prob recompute where it runs) feeds attention
     fp16/bf16 q/k/v, which FlashAttention kernels need (they have no fp32): actor.packed_attention=auto picks the
     varlen kernel only then (workers/actor.py `packed_forward`), flex attention otherwise."""
@@ -223,6 +225,7 @@ class Plan:
             "actor_autocast": self.actor_autocast,
             "rollout_compute_dtype": self.rollout_compute_dtype,
             "flash_attention_ok": self.flash_attention_ok,
+            "rollout_owns_weights": self.rollout_owns_weights,
             "total_steps": self.total_steps,
             "actor_optimizer_steps": self.actor_optimizer_steps,
             "critic_optimizer_steps": self.critic_optimizer_steps,
@@ -324,7 +327,20 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 gradient_checkpointing=_checkpointing(cfg, autocast, on_gpu=gpu["actor"]),
                 actor_autocast=autocast, rollout_compute_dtype=compute_dtype, flash_attention_ok=flash_ok,
                 sync_check=(check_syncs and cfg.rollout.sync_check.source == "probe"),
-                step_sync_check=(check_syncs and cfg.rollout.sync_check.source == "step"))
+                step_sync_check=(check_syncs and cfg.rollout.sync_check.source == "step"),
+                rollout_owns_weights=_owns_weights(cfg, colocated=roles["rollout"] == roles["actor"]))
+
+
+def _owns_weights(cfg: RunConfig, colocated: bool) -> bool:
+    """rollout.own_weights: auto is on where the engine would otherwise gather a sharded actor whole for a TP rank
+    that reads 1/k of it (engines/fast/owned.py); the fast engine's alone."""
+    own, r = cfg.rollout.own_weights, cfg.rollout
+    if own is True and r.engine != "fast":
+        raise ConfigError(f"rollout.own_weights=true is the fast engine's; rollout.engine={r.engine} holds its weights "
+                          "its own way: set rollout.own_weights=auto (or false), or rollout.engine=fast")
+    if own == "auto":
+        return r.engine == "fast" and colocated and cfg.actor.sharding == "fsdp2" and r.tensor_parallel > 1
+    return bool(own)
 
 
 def _check_family(cfg: RunConfig, folder: dict | None) -> None:

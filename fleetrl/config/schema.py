@@ -149,6 +149,13 @@ class RolloutConfig:
     auto: always on a CPU (glibc keeps the pages otherwise); on a GPU when the cache would take more than a quarter
     of the card (Qwen3-8B with 128 slots of 4,256 tokens: 75 GB, which ran the update out of memory on an H200).
     A separate rollout pool keeps its cache."""
+    own_weights: bool | Literal["auto"] = "auto"
+    """The fast engine decodes from its own copy of the weights (engines/fast/owned.py): under tensor_parallel = k
+    each rank's 1/k of the projections and the embedding, norms and LM head whole, in the compute dtype, filled one
+    decoder layer at a time, so an FSDP2-sharded colocated actor is never gathered whole (Qwen2.5-72B in bf16 is 145
+    GB; each TP-4 rank then holds ~40 GB of it). false: the model's tensors in place (under FSDP2 the whole model is
+    gathered for each call). auto: on for a fast engine colocated with an FSDP2 actor at tensor_parallel > 1
+    (Plan.rollout_owns_weights). Freed with the cache (free_cache) and refilled at the next call."""
     val_temperature: float = 0.0
     """0 = greedy validation."""
     val_n: int = 1
@@ -287,7 +294,7 @@ class ActorConfig:
     """none (each data-parallel rank holds the full model; gradients all-reduced) | fsdp2 (parameters,
     gradients and optimiser state sharded with FSDP2 over the pool's ranks, NCCL on GPU or gloo on CPU, one shard
     on one rank; every actor.forward, micro-batch layout and LoRA works on it; a colocated rollout unshards once
-    per generate)."""
+    per generate, or one layer at a time into its own copy: rollout.own_weights)."""
     logprob_chunk: int | None = None
     """Tokens per chunk when computing log-softmax over the vocabulary (None = whole sequence at once)."""
     fused_logprob_chunk: int | None = None

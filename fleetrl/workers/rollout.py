@@ -51,7 +51,8 @@ def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer,
         dtype = ctx.plan.rollout_compute_dtype  # rollout.compute_dtype, auto resolved (config/precision.py)
         return FastRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed, max_batch=sizes.max_batch,
                                  max_seq_len=sizes.max_seq_len, compute_dtype=None if dtype == "model" else dtype_of(dtype),
-                                 tp_group=None if engine_group is None else engine_group.group)
+                                 tp_group=None if engine_group is None else engine_group.group,
+                                 own_weights=ctx.plan.rollout_owns_weights)
     if ctx.cfg.rollout.engine == "vllm":
         from fleetrl.engines.vllm import VLLMRolloutEngine
 
@@ -94,7 +95,10 @@ class RolloutComponent:
         m = ctx.cfg.model
         self.tokenizer = load_run_tokenizer(m)
         self.model = model
-        with unsharded(model):  # FSDP2: the engine reads (and checks) the whole weights, not the shards
+        # FSDP2: the engine decodes with the whole weights, gathered for each call (and checked at build here), or
+        # fills its own copy one layer at a time (rollout.own_weights): then nothing gathers the model whole.
+        self.whole = nullcontext if ctx.plan.rollout_owns_weights else (lambda: unsharded(model))
+        with self.whole():
             self.engine = make_engine(ctx, model, self.tokenizer, engine_group)
         # vLLM keeps its own copy of the weights: a colocated sync streams the actor's tensors into it (and checks
         # it); the hf and fast engines read the actor's parameters in place, so only the version moves.
@@ -139,7 +143,7 @@ class RolloutComponent:
                                f"but the step needs {req.min_weights_version}: weight sync did not arrive")
         params = self.sampling_params(batch, req)
         t0 = time.perf_counter()
-        with unsharded(self.model) as t_unshard, self.engine_view():
+        with self.whole() as t_unshard, self.engine_view():
             if self.episodes is not None:
                 if params.max_new_tokens_per_sample is not None:
                     raise ValueError("SamplingParams.max_new_tokens_per_sample limits one generation per sample; "
@@ -166,6 +170,8 @@ class RolloutComponent:
         timing["generate/rollout"] = time.perf_counter() - t0
         if t_unshard is not None:  # FSDP2: the gather of every layer before decoding
             timing["generate/unshard"] = t_unshard
+        if getattr(self.engine, "refresh_s", None) is not None:  # rollout.own_weights: the layer-by-layer fill
+            timing["generate/own_weights"] = self.engine.refresh_s
         return out
 
     def _generate_in_segments(self, batch: Batch, params: SamplingParams, segment_tokens: int,
@@ -195,7 +201,7 @@ class RolloutComponent:
 
     def probe(self, version: int) -> SyncProbe:
         """The policy check's engine side (engines/sync_check.py): a few tokens sampled after the sync to `version`."""
-        with unsharded(self.model), self.engine_view():
+        with self.whole(), self.engine_view():
             return sample_probe(self.engine, int(self.model.config.vocab_size), self.ctx.cfg.rollout.sync_check,
                                 seed=self.ctx.plan.seed("sync_check", version, self.ctx.rank), version=version,
                                 rank=self.ctx.rank)

@@ -105,3 +105,15 @@ def test_a_family_the_fast_paths_do_not_run_is_refused_by_the_plan(tmp_path):
     # the HF paths run any family; a supported one passes with the fast paths
     assert plan(_folder(tmp_path, "gemma3"), "model.tokenizer=qwen:", "rollout.engine=hf", "actor.forward=hf")
     assert plan(_folder(tmp_path, "qwen3"), "model.tokenizer=qwen:", "rollout.engine=fast", "actor.forward=native")
+
+
+def test_own_weights_auto_is_on_where_a_tp_rank_would_gather_a_sharded_actor_whole():
+    sharded = [*TWO_WORKERS, "actor.sharding=fsdp2"]
+    assert plan(*sharded, "rollout.tensor_parallel=2").rollout_owns_weights
+    assert not plan(*sharded).rollout_owns_weights  # k = 1: the whole model is what the engine reads anyway
+    assert not plan(*TWO_WORKERS, "rollout.tensor_parallel=2").rollout_owns_weights  # nothing sharded to gather
+    assert not plan(*sharded, "rollout.tensor_parallel=2", "rollout.own_weights=false").rollout_owns_weights
+    assert plan("rollout.engine=fast", "rollout.own_weights=true").rollout_owns_weights
+    assert plan(*sharded, "rollout.tensor_parallel=2").summary()["rollout_owns_weights"] is True
+    msg = refused("rollout.engine=hf", "rollout.own_weights=true")
+    assert "rollout.own_weights=true" in msg and "rollout.engine=fast" in msg

@@ -108,3 +108,21 @@ def test_tensor_parallel_rollout_equals_an_engine_per_rank(tmp_path, ray_local):
     assert not any("tp_gather" in k for r in one for k in r)
     assert any("tp_gather" in k for r in two for k in r), sorted(two[-1])
     _same_losses(_steps(one), _steps(two))
+
+
+def test_tensor_parallel_engine_owning_its_slices_of_an_fsdp2_actor(tmp_path, ray_local):
+    """An FSDP2 actor colocated with a TP=2 fast engine: rollout.own_weights=auto gives the engine its own copy of
+    its slices, filled one layer at a time (engines/fast/owned.py), so the actor is never gathered whole; the losses
+    equal the FSDP2 run with an engine per rank (which gathers the whole model for each call)."""
+    from fleetrl.config import derive_plan, load_config
+
+    fast = (*COMMON, "cluster.backend=ray", "cluster.pools.main.workers_per_node=2", "rollout.engine=fast",
+            "actor.sharding=fsdp2")
+    assert derive_plan(load_config("examples/ppo_tiny.yaml", [*fast, "rollout.tensor_parallel=2"])).rollout_owns_weights
+    assert not derive_plan(load_config("examples/ppo_tiny.yaml", list(fast))).rollout_owns_weights
+    one = train_run("examples/ppo_tiny.yaml", tmp_path / "tp1", *fast)
+    two = train_run("examples/ppo_tiny.yaml", tmp_path / "tp2", *fast, "rollout.tensor_parallel=2")
+    assert any("generate/unshard" in k for r in one for k in r), sorted(one[-1])
+    assert not any("generate/unshard" in k for r in two for k in r), "nothing gathers the whole actor"
+    assert any("generate/own_weights" in k for r in two for k in r), sorted(two[-1])
+    _same_losses(_steps(one), _steps(two))

@@ -81,19 +81,21 @@ def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
 
 def model_weights(model: torch.nn.Module) -> ModelWeights:
     """The model's current parameter tensors (no copies; `.data` of each parameter)."""
-    layers = []
-    for layer in model.model.layers:
-        att, mlp = layer.self_attn, layer.mlp
-        layers.append(LayerWeights(
-            layer.input_layernorm.weight.data,
-            att.q_proj.weight.data, _data(_bias(att.q_proj)), att.k_proj.weight.data, _data(_bias(att.k_proj)),
-            att.v_proj.weight.data, _data(_bias(att.v_proj)), att.o_proj.weight.data, _data(_bias(att.o_proj)),
-            layer.post_attention_layernorm.weight.data,
-            mlp.gate_proj.weight.data, _data(_bias(mlp.gate_proj)), mlp.up_proj.weight.data, _data(_bias(mlp.up_proj)),
-            mlp.down_proj.weight.data, _data(_bias(mlp.down_proj)),
-            qn=_norm_weight(att, "q_norm"), kn=_norm_weight(att, "k_norm")))
-    return ModelWeights(model.model.embed_tokens.weight.data, layers, model.model.norm.weight.data,
-                        model.lm_head.weight.data)
+    return ModelWeights(model.model.embed_tokens.weight.data, [layer_weights(layer) for layer in model.model.layers],
+                        model.model.norm.weight.data, model.lm_head.weight.data)
+
+
+def layer_weights(layer: torch.nn.Module) -> LayerWeights:
+    """One decoder layer's current parameter tensors (no copies)."""
+    att, mlp = layer.self_attn, layer.mlp
+    return LayerWeights(
+        layer.input_layernorm.weight.data,
+        att.q_proj.weight.data, _data(_bias(att.q_proj)), att.k_proj.weight.data, _data(_bias(att.k_proj)),
+        att.v_proj.weight.data, _data(_bias(att.v_proj)), att.o_proj.weight.data, _data(_bias(att.o_proj)),
+        layer.post_attention_layernorm.weight.data,
+        mlp.gate_proj.weight.data, _data(_bias(mlp.gate_proj)), mlp.up_proj.weight.data, _data(_bias(mlp.up_proj)),
+        mlp.down_proj.weight.data, _data(_bias(mlp.down_proj)),
+        qn=_norm_weight(att, "q_norm"), kn=_norm_weight(att, "k_norm"))
 
 
 # LayerWeights field -> the projection it reads, under a decoder layer (the modules LoRA may adapt here).
@@ -108,32 +110,52 @@ def merged_weights(model: torch.nn.Module, into: ModelWeights | None = None,
     addresses CUDA graphs may hold); every other tensor is still the model's own. With `dtype` each merged
     tensor is rounded to it as soon as it is made, so a decode in another dtype never holds every projection
     twice at the model's precision (SmolLM2, all-linear: 0.42 GiB of fp32 merges)."""
-    from fleetrl.models.lora import lora_layers, merged_weight
+    from fleetrl.models.lora import lora_layers
 
     adapted = lora_layers(model)
     if not adapted:
         return None
     base = model_weights(model)
-    known = {f"model.layers.{i}.{path}" for i in range(len(base.layers)) for path in PROJECTIONS.values()}
+    check_adapted(adapted, len(base.layers))
+    layers = [merged_layer(lw, i, adapted, None if into is None else into.layers[i], dtype)
+              for i, lw in enumerate(base.layers)]
+    return ModelWeights(base.embed, layers, base.norm, merged_head(base.lm_head, adapted, into, dtype))
+
+
+def check_adapted(adapted: dict[str, torch.nn.Module], num_layers: int) -> None:
+    """The fast engine merges adapters on the projections of PROJECTIONS and the LM head only."""
+    known = {f"model.layers.{i}.{path}" for i in range(num_layers) for path in PROJECTIONS.values()}
     if set(adapted) - known - {"lm_head"}:
         raise ValueError(f"the fast engine merges LoRA adapters on the attention/MLP projections and the LM head "
                          f"only; {sorted(set(adapted) - known)[:3]} are adapted too: narrow actor.lora.targets or use "
                          "rollout.engine=hf")
-    layers = []
-    for i, lw in enumerate(base.layers):
-        fields = {}
-        for field, path in PROJECTIONS.items():
-            layer = adapted.get(f"model.layers.{i}.{path}")
-            if layer is not None:
-                fields[field] = merged_weight(layer) if dtype is None else merged_weight(layer).to(dtype)
-                if into is not None:
-                    fields[field] = getattr(into.layers[i], field).copy_(fields[field])
-        layers.append(dataclasses.replace(lw, **fields))
-    lm_head = base.lm_head
-    if "lm_head" in adapted:  # only an untied head may be adapted (models/lora.py refuses a tied one)
-        lm_head = merged_weight(adapted["lm_head"]) if dtype is None else merged_weight(adapted["lm_head"]).to(dtype)
-        lm_head = into.lm_head.copy_(lm_head) if into is not None else lm_head
-    return ModelWeights(base.embed, layers, base.norm, lm_head)
+
+
+def merged_layer(lw: LayerWeights, i: int, adapted: dict[str, torch.nn.Module], into: LayerWeights | None = None,
+                 dtype: torch.dtype | None = None) -> LayerWeights:
+    """Decoder layer i's weights `lw` with each projection `adapted` names (lora_layers' keys) merged, W + ΔW: a
+    new tensor, or written in place into `into`'s; rounded to `dtype` where given."""
+    from fleetrl.models.lora import merged_weight
+
+    fields = {}
+    for field, path in PROJECTIONS.items():
+        layer = adapted.get(f"model.layers.{i}.{path}")
+        if layer is not None:
+            fields[field] = merged_weight(layer) if dtype is None else merged_weight(layer).to(dtype)
+            if into is not None:
+                fields[field] = getattr(into, field).copy_(fields[field])
+    return dataclasses.replace(lw, **fields) if fields else lw
+
+
+def merged_head(lm_head: torch.Tensor, adapted: dict[str, torch.nn.Module], into: ModelWeights | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The LM head, merged where adapted (only an untied head may be: models/lora.py refuses a tied one)."""
+    from fleetrl.models.lora import merged_weight
+
+    if "lm_head" not in adapted:
+        return lm_head
+    merged = merged_weight(adapted["lm_head"]) if dtype is None else merged_weight(adapted["lm_head"]).to(dtype)
+    return into.lm_head.copy_(merged) if into is not None else merged
 
 
 def cast_weights(weights: ModelWeights, dtype: torch.dtype) -> ModelWeights:

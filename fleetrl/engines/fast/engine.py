@@ -35,6 +35,7 @@ call and the sampled tokens at its end (one small all-gather each).
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from typing import Literal, Mapping
 
@@ -87,6 +88,11 @@ class FastRolloutEngine:
     (module docstring; gloo for a CPU engine, NCCL for CUDA); every rank constructs its engine with its own group
     handle and calls `generate` with the same arguments. None (or one rank): no tensor parallelism. The model's
     num_heads, num_kv_heads and intermediate size must be multiples of k (ValueError naming the k that would do).
+    own_weights: decode from the engine's own copy of every weight (owned.py: under tp this rank's slices of the
+    projections, the embedding, norms and head whole; in compute_dtype, at fixed addresses), filled one decoder layer
+    at a time where the weights changed. For a model FSDP2 shards (a colocated sharded actor): the engine then
+    never needs it whole, each layer is gathered only while it is copied; the model stays sharded during the call.
+    Freed by `sleep`. Replaces keep_cast (it is that copy).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: object | None, *, device: torch.device | str,
@@ -94,7 +100,7 @@ class FastRolloutEngine:
                  kernels: Literal["auto", "triton", "torch"] = "auto", sync_every: int = 16,
                  prefill_tokens: int = 32768, compute_dtype: torch.dtype | None = None,
                  fuse_projections: bool | None = None, keep_cast: bool | None = None,
-                 tp_group: object | None = None) -> None:
+                 tp_group: object | None = None, own_weights: bool = False) -> None:
         if max_batch < 1 or max_seq_len < 2 or sync_every < 1:
             raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, sync_every >= 1; got {max_batch}, "
                              f"{max_seq_len}, {sync_every}")
@@ -117,15 +123,16 @@ class FastRolloutEngine:
         if self.use_cuda_graphs and self.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs a CUDA device; pass use_cuda_graphs=None or False on CPU")
         casting = self.dtype != self.model_dtype
-        self.keep_cast = casting and (self.use_cuda_graphs if keep_cast is None else keep_cast)
-        if self.use_cuda_graphs and casting and not self.keep_cast:
+        self.owns = own_weights
+        self.keep_cast = casting and not own_weights and (self.use_cuda_graphs if keep_cast is None else keep_cast)
+        if self.use_cuda_graphs and casting and not (self.keep_cast or self.owns):
             raise ValueError(f"compute_dtype={self.dtype} differs from the model's {self.model_dtype}, and a copy cast "
                              "per call would move under the captured CUDA graphs; pass keep_cast=None or True (one "
                              "copy kept at fixed addresses), or use_cuda_graphs=False")
         self.kernels = _load_kernels(kernels, self.device, self.local_spec, self.dtype)
         fuse = self.device.type == "cuda" if fuse_projections is None else fuse_projections
         self._fwd = DecoderForward(model, self.local_spec, max_seq_len, self.dtype, self.device, self.kernels, fuse,
-                                   keep_cast=self.keep_cast, tp=self.tp)
+                                   keep_cast=self.keep_cast, tp=self.tp, own=own_weights)
         self._eos = _eos_ids(model, tokenizer)
         self._rng = torch.Generator().manual_seed(seed)
         self._buckets = batch_buckets(max_batch)  # per-allocation buckets are these, capped at its slot count
@@ -133,6 +140,7 @@ class FastRolloutEngine:
         self._graphs: DecodeGraphs | None = None
         self._fingerprint: tuple[int, ...] = ()
         self.weights_version = 0  # a property: assigning it marks the fused and kept cast copies stale
+        self.refresh_s: float | None = None  # own_weights: seconds the last call spent filling its copy
         self.stats = {"decode_steps": 0, "decode_rows": 0, "prefills": 0, "prefilled_prompts": 0, "syncs": 0,
                       "moved_slots": 0}
 
@@ -144,10 +152,11 @@ class FastRolloutEngine:
         if self.tp is not None:
             self._check_same("the prompts, prompt masks and token limits", _fingerprint(rows, limits, params))
         # Copies kept at fixed addresses between calls: where captured graphs hold them, or asked for (keep_cast).
-        fixed = self.use_cuda_graphs or self.keep_cast
-        # LoRA actor: merged W + ΔW of the adapted projections (before graphs are captured, which read them),
-        # rounded to the compute dtype at once.
-        self._fwd.merge_adapters(keep=fixed, dtype=None if self.dtype == self.model_dtype else self.dtype)
+        fixed = self.use_cuda_graphs or self.keep_cast or self.owns
+        if not self.owns:  # an owned copy merges each layer as it fills it (owned.py)
+            # LoRA actor: merged W + ΔW of the adapted projections (before graphs are captured, which read them),
+            # rounded to the compute dtype at once.
+            self._fwd.merge_adapters(keep=fixed, dtype=None if self.dtype == self.model_dtype else self.dtype)
         buf = self._ready(len(rows), max(len(r) for r in rows) + params.max_new_tokens)
         key = self._configure(buf, params)
         self._prepare_weights()  # before any graph is captured: graphs read what it sets up
@@ -165,8 +174,15 @@ class FastRolloutEngine:
 
     def _prepare_weights(self) -> None:
         """The weights this call decodes with: the kept compute-dtype copy refreshed in place where stale
-        (cast.py), a copy cast for this call, or the model's own tensors with the fused copies refreshed."""
-        if self.keep_cast:
+        (cast.py), a copy cast for this call, or the model's own tensors with the fused copies refreshed; or the
+        engine's own copy refreshed layer by layer (owned.py)."""
+        if self.owns:
+            t0 = time.perf_counter()
+            self._fwd.refresh_owned()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the copies (and FSDP2's gathers) run asynchronously
+            self.refresh_s = time.perf_counter() - t0
+        elif self.keep_cast:
             self._fwd.refresh_cast()
         elif self.dtype != self.model_dtype:
             self._fwd.cast_for_call(self.dtype)
@@ -200,8 +216,8 @@ class FastRolloutEngine:
         self._fwd.mark_stale()
 
     def sleep(self) -> None:
-        """Frees the KV cache, slot buffers, graphs, fused projection copies and the kept cast copy. The weights
-        stay: they are the trainer's tensors."""
+        """Frees the KV cache, slot buffers, graphs, fused projection copies, the kept cast copy and the owned copy
+        (the next call fills it again). The model's weights stay: they are the trainer's tensors."""
         self._buf, self._graphs = None, None
         self._fwd.release_copies()
         if self.device.type == "cuda":
@@ -220,11 +236,12 @@ class FastRolloutEngine:
     def _check_weights(self) -> torch.dtype:
         from fleetrl.models.lora import lora_layers
 
-        tensors = model_weights(self.model).tensors()
+        # An FSDP2-sharded model's parameters are DTensors: their local shards tell the device and dtype.
+        tensors = [_local(t) for t in model_weights(self.model).tensors()]
         devices = {_resolve(t.device) for t in tensors}
         # A LoRA actor's adapted weights are never read as they are (each call merges them, arch.merged_weights),
         # and may be kept narrower than the rest (models/lora.py store_frozen_base).
-        merged = {layer.get_base_layer().weight.data_ptr() for layer in lora_layers(self.model).values()}
+        merged = {_local(layer.get_base_layer().weight.data).data_ptr() for layer in lora_layers(self.model).values()}
         dtypes = {t.dtype for t in tensors if t.data_ptr() not in merged}
         if devices != {self.device}:
             raise ValueError(f"model parameters are on {sorted(map(str, devices))} but the engine device is "
@@ -505,6 +522,13 @@ def _chunks(admit: list[tuple[int, int]], rows: list[torch.Tensor], budget: int)
         out[-1].append(item)
         longest = max(longest, n)
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (an FSDP2-sharded parameter); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _resolve(device: torch.device) -> torch.device:

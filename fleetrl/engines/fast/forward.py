@@ -33,6 +33,7 @@ from fleetrl.engines.fast.arch import (
 )
 from fleetrl.engines.fast.cast import CastCopy
 from fleetrl.engines.fast.fused import FusedProjections
+from fleetrl.engines.fast.owned import OwnedWeights
 from fleetrl.engines.fast.tp import TensorParallel, shard_weights
 from fleetrl.models.family import apply_rope, rms_norm  # noqa: F401  (the family's ops; re-exported)
 
@@ -65,10 +66,12 @@ def _qkv(h: torch.Tensor, lw: Any, spec: DecoderSpec) -> tuple[torch.Tensor, tor
 class DecoderForward:
     def __init__(self, model: torch.nn.Module, spec: DecoderSpec, max_seq_len: int, dtype: torch.dtype,
                  device: torch.device, kernels: Any | None, fuse: bool = False, keep_cast: bool = False,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, own: bool = False) -> None:
         """dtype: the compute dtype. keep_cast: hold the copy of the weights in it between calls, at fixed addresses
         (cast.py; the engine's choice under CUDA graphs when dtype is not the model's) instead of per call.
-        tp: this rank's tensor-parallel group (tp.py); `spec` is then the rank's shape (tp.local_spec)."""
+        tp: this rank's tensor-parallel group (tp.py); `spec` is then the rank's shape (tp.local_spec).
+        own: decode from the engine's own copy of every weight (owned.py), filled layer by layer by `refresh_owned`;
+        it is the kept copy in the compute dtype, so keep_cast is then False."""
         self.model = model
         self.spec = spec
         self.tp = tp
@@ -95,8 +98,13 @@ class DecoderForward:
         # fp16: a GEMM on the raw residual is rms(x) times larger, and fp16 tops out at 65,504.
         fold = kernels is not None and dtype != torch.float16
         self.fused: FusedProjections | None = FusedProjections(fold_norms=fold) if fuse else None
+        assert not (own and keep_cast), "the owned copy is the kept copy in the compute dtype"
+        self.owned: OwnedWeights | None = OwnedWeights(dtype, tp, self.fused) if own else None
 
     def weights(self) -> ModelWeights:
+        if self.owned is not None:
+            assert self.owned.weights is not None and not self.owned.stale, "owned weights used before refresh"
+            return self.owned.weights
         if self.shadow is not None:
             return self.shadow
         base = self._base()
@@ -136,17 +144,21 @@ class DecoderForward:
             base = self.fused.attach(base)
         self.shadow = self.cast.refresh(base)
 
+    def refresh_owned(self) -> None:
+        """Brings the engine's own copy up to the model's current (merged) weights where stale (owned.py)."""
+        self.owned.refresh(self.model)
+
     def mark_stale(self) -> None:
         """The weights changed: the fused and kept cast copies are refreshed before the next decode reads them."""
         self._shards = None  # the model's tensors may be new ones (FSDP2 unshards each call)
-        for copy in (self.fused, self.cast):
+        for copy in (self.fused, self.cast, self.owned):
             if copy is not None:
                 copy.stale = True
 
     def release_copies(self) -> None:
         """Frees the fused and kept cast copies (captured graphs that read them must be dropped too)."""
         self.shadow, self._shards = None, None
-        for copy in (self.fused, self.cast):
+        for copy in (self.fused, self.cast, self.owned):
             if copy is not None:
                 copy.release()
 

@@ -48,7 +48,7 @@ class FusedProjections:
     """wqkv [q + 2 kv, hidden], wgu [2 I, hidden] (and their biases, zero where a part has none) per layer."""
 
     def __init__(self, fold_norms: bool = False) -> None:
-        self._layers: list[dict[str, torch.Tensor | None]] | None = None
+        self._layers: list[dict[str, torch.Tensor | None] | None] | None = None
         self.stale = True
         self.fold_norms = fold_norms
 
@@ -57,25 +57,33 @@ class FusedProjections:
         self._layers, self.stale = None, True
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self._layers or [] for t in layer.values()
+        return sum(t.numel() * t.element_size() for layer in self._layers or [] for t in (layer or {}).values()
                    if t is not None)
 
     def refresh(self, weights: ModelWeights, dtype: torch.dtype | None = None) -> None:
         """Copies the current projections into the fused buffers (allocated on first use, in `dtype` or the
         weights' own), in place so their addresses stay fixed."""
-        if self._layers is None:
-            self._layers = [_allocate(lw, dtype or lw.wq.dtype) for lw in weights.layers]
-        for lw, fused in zip(weights.layers, self._layers):
-            # the model's own (or merged) weights, never attached ones: those have the norms folded in already
-            assert not self.fold_norms or (lw.ln1 is not None and lw.ln2 is not None), "refresh from raw weights"
-            qkv, gu = (lw.wq, lw.wk, lw.wv), (lw.wg, lw.wu)
-            _copy_rows(fused["wqkv"], qkv, qkv, lw.ln1 if self.fold_norms else None)
-            _copy_rows(fused["wgu"], gu, gu, lw.ln2 if self.fold_norms else None)
-            if fused["bqkv"] is not None:
-                _copy_rows(fused["bqkv"], (lw.bq, lw.bk, lw.bv), qkv)
-            if fused["bgu"] is not None:
-                _copy_rows(fused["bgu"], (lw.bg, lw.bu), gu)
+        for i, lw in enumerate(weights.layers):
+            self.refresh_layer(i, lw, len(weights.layers), dtype)
         self.stale = False
+
+    def refresh_layer(self, i: int, lw: LayerWeights, num_layers: int, dtype: torch.dtype | None = None) -> None:
+        """`refresh` of decoder layer i alone (its buffers allocated on first use): the engine's own copy fills
+        the layers one at a time, each gathered from an FSDP2-sharded model only while it is copied (owned.py)."""
+        if self._layers is None:
+            self._layers = [None] * num_layers
+        fused = self._layers[i]
+        if fused is None:
+            fused = self._layers[i] = _allocate(lw, dtype or lw.wq.dtype)
+        # the model's own (or merged) weights, never attached ones: those have the norms folded in already
+        assert not self.fold_norms or (lw.ln1 is not None and lw.ln2 is not None), "refresh from raw weights"
+        qkv, gu = (lw.wq, lw.wk, lw.wv), (lw.wg, lw.wu)
+        _copy_rows(fused["wqkv"], qkv, qkv, lw.ln1 if self.fold_norms else None)
+        _copy_rows(fused["wgu"], gu, gu, lw.ln2 if self.fold_norms else None)
+        if fused["bqkv"] is not None:
+            _copy_rows(fused["bqkv"], (lw.bq, lw.bk, lw.bv), qkv)
+        if fused["bgu"] is not None:
+            _copy_rows(fused["bgu"], (lw.bg, lw.bu), gu)
 
     def attach(self, weights: ModelWeights) -> ModelWeights:
         """`weights` with each layer's wqkv/wgu set and wq/wk/wv/wg/wu (and biases) replaced by row views of

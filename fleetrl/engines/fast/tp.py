@@ -78,7 +78,7 @@ def local_spec(spec: DecoderSpec, k: int) -> DecoderSpec:
 
 def shard_weights(w: ModelWeights, rank: int, k: int) -> ModelWeights:
     """Rank `rank`'s views of `w` (whole, unfused weights: the model's own or a LoRA merge)."""
-    return dataclasses.replace(w, layers=[_shard_layer(lw, rank, k) for lw in w.layers])
+    return dataclasses.replace(w, layers=[shard_layer(lw, rank, k) for lw in w.layers])
 
 
 def _rows(t: torch.Tensor | None, rank: int, k: int) -> torch.Tensor | None:
@@ -93,7 +93,8 @@ def _cols(t: torch.Tensor, rank: int, k: int) -> torch.Tensor:
     return t[:, rank * n: (rank + 1) * n]
 
 
-def _shard_layer(lw: LayerWeights, rank: int, k: int) -> LayerWeights:
+def shard_layer(lw: LayerWeights, rank: int, k: int) -> LayerWeights:
+    """Rank `rank`'s views of one layer's whole, unfused weights."""
     assert lw.wqkv is None and lw.wgu is None, "shard the model's own weights, then fuse (fused.py)"
     column = {f: _rows(getattr(lw, f), rank, k) for f in ("wq", "bq", "wk", "bk", "wv", "bv", "wg", "bg", "wu", "bu")}
     # Row-parallel: bo, bd stay whole; the forward adds them once, after the all-reduce.
