@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: scale1 scale1ray scale2 scale4 scale4driver e2e7b4 variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 e2e7bfast e2e1native e2e2native e2e2nativefsdp asyncsync asyncasync asyncsyncpk asyncasyncpk async4 async4sync async4a13 async4a22 multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodetp e2e32b e2eq3_1 e2eq3_4 decodeunfused decodeprof decodelongtail hostsync
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: scale1 scale1ray scale2 scale4 scale4driver e2e7b4 variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 e2e7bfast e2e1native e2e2native e2e2nativefsdp asyncsync asyncasync asyncsyncpk asyncasyncpk async4 async4sync async4a13 async4a22 multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodetp e2e32b e2e72b e2eq3_1 e2eq3_4 decodeunfused decodeprof decodelongtail hostsync
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -126,6 +126,14 @@ for p in $PARTS; do case $p in
       --tag "_32b_tp${TP:-2}" --out "$OUT" model.path=random:qwen2.5-32b actor.sharding=fsdp2 actor.offload_optimizer=true \
       actor.forward=native actor.compile=true algorithm.micro_batch_tokens=${TOKENS:-16384} actor.share_prompts=true \
       rollout.tensor_parallel=${TP:-2} data.prompts_per_step=32 model.gradient_checkpointing=true cluster.init_timeout_s=600 ;;
+  e2e72b)  # issue 37, 4x H200: the Qwen2.5-72B shape with LoRA (rank 16 on every linear; the frozen base in bf16,
+    # sharded by FSDP2 over the 4 GPUs: ~36 GB a rank), colocated with one TP-4 fast engine that owns its slices
+    # (rollout.own_weights auto: ~40 GB a rank, filled one layer at a time), 16 prompts x 8 samples, 128 + 256 tokens
+    run "e2e4_72b_lora_tp4" 580 python3 bench/e2e.py --gpus 4 --engine fast --steps ${STEPS:-2} --warmup ${WARMUP:-1} \
+      --tag "_72b_lora_tp4" --out "$OUT" model.path=random:qwen2.5-72b actor.sharding=fsdp2 actor.lora.rank=16 \
+      actor.lora.alpha=32 actor.forward=native actor.compile=true algorithm.micro_batch_tokens=${TOKENS:-16384} \
+      actor.share_prompts=true rollout.tensor_parallel=4 data.prompts_per_step=16 model.gradient_checkpointing=true \
+      cluster.init_timeout_s=900 ;;
   e2eq3_1|e2eq3_4)  # issue 37: the qwen3-8b shape with the fast stack (fast engine, native compiled forward, packed
     # shared-prompt rows), 32 prompts x 8 samples per GPU; FSDP2 with optimiser offload at both sizes (8.2B with Adam
     # unsharded does not fit one GPU beside the engine)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fleetrl.config.families import family_gap
 from fleetrl.errors import UserError
 from fleetrl.models import segments, varlen
 from fleetrl.models.family import SUPPORTED_MODEL_TYPES, DecoderSpec, apply_rope, check_window, read_spec, rms_norm
@@ -57,7 +58,7 @@ def check_supported(model: nn.Module) -> DecoderSpec:
     model_type = getattr(cfg, "model_type", type(model).__name__)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise NativeForwardError(f"actor.forward=native implements the decoder families {list(SUPPORTED_MODEL_TYPES)}; "
-                                 f"this model's type is {model_type!r}. Set actor.forward=hf (HF modelling code: "
+                                 f"this model's type is {model_type!r}{family_gap(str(model_type))}. Set actor.forward=hf (HF modelling code: "
                                  "the update ran 1.5x slower than native on the 0.5B GPU benchmark, bench/RESULTS.md)")
     try:
         spec = read_spec(model)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fleetrl.config.families import SUPPORTED_MODEL_TYPES  # the list, torch-free: the Plan reads it too
+from fleetrl.config.families import SUPPORTED_MODEL_TYPES, family_gap  # the list, torch-free: the Plan reads it too
 
 # RoPE variants whose frequencies do not depend on the sequence length, so one precomputed table is exact.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -47,7 +47,8 @@ def read_spec(model: torch.nn.Module) -> DecoderSpec:
     Mistral window is returned, not judged: the lengths it must cover are the caller's (`check_window`)."""
     cfg = model.config
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"FastRolloutEngine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}; "
+        raise ValueError(f"FastRolloutEngine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}"
+                         f"{family_gap(cfg.model_type)}; "
                          "set rollout.engine=vllm (vLLM's kernels, with its own copy of the weights) or "
                          "rollout.engine=hf (transformers' generate, any architecture: 14.8x slower decode than "
                          "fast for Qwen3-8B on an H200, bench/RESULTS.md)")
