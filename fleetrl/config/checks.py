@@ -41,6 +41,7 @@ RANGES: tuple[tuple[str, str, str], ...] = (
     ("rollout.top_k", ">= 0", _OFF),
     ("rollout.max_new_tokens", ">= 1", ""),
     ("rollout.tensor_parallel", ">= 1", " (1 = no tensor parallelism)"),
+    ("rollout.gpu_memory_fraction", "in (0, 1]", " (null = a slot for every sample)"),
     ("rollout.stop_token_ids", ">= 0", " (token ids)"),
     ("rollout.vllm.gpu_memory_utilization", "in (0, 1]", ""),
     ("rollout.vllm.sync_check_tokens", ">= 0", _OFF),

@@ -301,6 +301,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     autocast = resolve_precision("actor.autocast", cfg.actor.autocast, gpu["actor"], "off")
     compute_dtype = resolve_compute_dtype(cfg, gpu["rollout"])
     check_vllm(cfg, gpu["rollout"])
+    _check_memory_fraction(cfg, gpu["rollout"])
     folder = folder_config(cfg.model.path)  # a local checkpoint's config.json, read once for both checks
     _check_tensor_parallel(cfg, world["rollout"], folder)
     _check_family(cfg, folder)
@@ -329,6 +330,22 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 sync_check=(check_syncs and cfg.rollout.sync_check.source == "probe"),
                 step_sync_check=(check_syncs and cfg.rollout.sync_check.source == "step"),
                 rollout_owns_weights=_owns_weights(cfg, colocated=roles["rollout"] == roles["actor"]))
+
+
+def _check_memory_fraction(cfg: RunConfig, rollout_on_gpu: bool) -> None:
+    """rollout.gpu_memory_fraction sizes the fast engine's KV cache from its GPU's memory (workers/rollout.py
+    `cache_budget`); another engine or a CPU pool has nothing it could bound."""
+    f, r = cfg.rollout.gpu_memory_fraction, cfg.rollout
+    if f is None:
+        return
+    if r.engine != "fast":
+        hint = "rollout.vllm.gpu_memory_utilization" if r.engine == "vllm" else "nothing: it holds no KV cache of a set size"
+        raise ConfigError(f"rollout.gpu_memory_fraction={f} bounds the fast engine's KV cache; rollout.engine={r.engine} "
+                          f"takes {hint}. Remove it or set rollout.engine=fast")
+    if not rollout_on_gpu:
+        raise ConfigError(f"rollout.gpu_memory_fraction={f} is a share of a GPU's memory, and the rollout pool "
+                          f"({cfg.cluster.roles.get('rollout', 'main')}) has no GPUs: remove it, or give the pool "
+                          "gpus_per_worker")
 
 
 def _owns_weights(cfg: RunConfig, colocated: bool) -> bool:

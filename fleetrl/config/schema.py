@@ -149,6 +149,13 @@ class RolloutConfig:
     auto: always on a CPU (glibc keeps the pages otherwise); on a GPU when the cache would take more than a quarter
     of the card (Qwen3-8B with 128 slots of 4,256 tokens: 75 GB, which ran the update out of memory on an H200).
     A separate rollout pool keeps its cache."""
+    gpu_memory_fraction: float | None = None
+    """fast engine on GPUs: the share of each rollout GPU's memory its KV cache may take (OpenRLHF's
+    --vllm_gpu_memory_utilization, verl's rollout.gpu_memory_utilization, which count vLLM's weights too; here the
+    weights are the actor's or the engine's own and are not counted). The engine then keeps as many sequence slots
+    (Plan.rollout.max_seq_len positions each, its KV heads) as fit, at most Plan.rollout.max_batch; the samples
+    beyond them wait for a slot (continuous batching). None: a slot for every sample of the call. vLLM has its own:
+    rollout.vllm.gpu_memory_utilization."""
     own_weights: bool | Literal["auto"] = "auto"
     """The fast engine decodes from its own copy of the weights (engines/fast/owned.py): under tensor_parallel = k
     each rank's 1/k of the projections and the embedding, norms and LM head whole, in the compute dtype, filled one

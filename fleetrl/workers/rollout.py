@@ -52,7 +52,7 @@ def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer,
         return FastRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed, max_batch=sizes.max_batch,
                                  max_seq_len=sizes.max_seq_len, compute_dtype=None if dtype == "model" else dtype_of(dtype),
                                  tp_group=None if engine_group is None else engine_group.group,
-                                 own_weights=ctx.plan.rollout_owns_weights)
+                                 own_weights=ctx.plan.rollout_owns_weights, cache_budget_bytes=cache_budget(ctx))
     if ctx.cfg.rollout.engine == "vllm":
         from fleetrl.engines.vllm import VLLMRolloutEngine
 
@@ -67,6 +67,17 @@ def make_engine(ctx: WorkerContext, model: torch.nn.Module, tokenizer,
     # the engine's log-prob pass is chunked like the trainer's, so no B×T×V fp32 logits are built
     return HFRolloutEngine(model, tokenizer, device=ctx.device(), seed=seed,
                            logprob_chunk_size=ctx.cfg.actor.logprob_chunk)
+
+
+def cache_budget(ctx: WorkerContext, total_bytes: int | None = None) -> int | None:
+    """rollout.gpu_memory_fraction of this worker's GPU (`total_bytes`: its memory, read from the device when None),
+    the fast engine's KV-cache budget; None without the key (the Plan refuses it on a CPU pool)."""
+    fraction = ctx.cfg.rollout.gpu_memory_fraction
+    if fraction is None:
+        return None
+    if total_bytes is None:
+        total_bytes = torch.cuda.get_device_properties(ctx.device()).total_memory
+    return int(fraction * total_bytes)
 
 
 CACHE_SHARE = 0.25  # rollout.free_cache=auto on a GPU: free a cache larger than this share of the card

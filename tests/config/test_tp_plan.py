@@ -119,3 +119,14 @@ def test_own_weights_auto_is_on_where_a_tp_rank_would_gather_a_sharded_actor_who
     assert plan(*sharded, "rollout.tensor_parallel=2").summary()["rollout_owns_weights"] is True
     msg = refused("rollout.engine=hf", "rollout.own_weights=true")
     assert "rollout.own_weights=true" in msg and "rollout.engine=fast" in msg
+
+
+def test_gpu_memory_fraction_is_the_fast_engines_on_gpus():
+    gpu = ["rollout.engine=fast", "cluster.pools.main.gpus_per_worker=1"]
+    assert plan(*gpu, "rollout.gpu_memory_fraction=0.3").config.rollout.gpu_memory_fraction == 0.3
+    msg = refused("rollout.engine=hf", "cluster.pools.main.gpus_per_worker=1", "rollout.gpu_memory_fraction=0.3")
+    assert "rollout.engine=hf" in msg and "set rollout.engine=fast" in msg
+    msg = refused("rollout.engine=fast", "rollout.gpu_memory_fraction=0.3")  # the quickstart's pool is CPU-only
+    assert "has no GPUs" in msg and "gpus_per_worker" in msg
+    msg = refused(*gpu, "rollout.gpu_memory_fraction=1.5")
+    assert msg == "rollout.gpu_memory_fraction must be in (0, 1] (null = a slot for every sample), got 1.5"

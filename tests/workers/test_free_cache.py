@@ -46,3 +46,10 @@ def test_only_a_colocated_fast_engine_frees():
     assert not rollout.frees_cache(ctx("rollout.engine=hf"), engine(75))
     separate = ctx("cluster.backend=ray", "cluster.pools={train: {}, gen: {}}", "cluster.roles={actor: train, rollout: gen}")
     assert not separate.plan.rollout_colocated and not rollout.frees_cache(separate, engine(75))
+
+
+def test_the_cache_budget_is_the_fraction_of_the_workers_gpu(on_a_140_gib_gpu):
+    gpu = ["cluster.pools.main.gpus_per_worker=1"]
+    assert rollout.cache_budget(ctx(*gpu)) is None  # no key: a slot for every sample
+    assert rollout.cache_budget(ctx(*gpu, "rollout.gpu_memory_fraction=0.25")) == 35 * GIB
+    assert rollout.cache_budget(ctx(*gpu, "rollout.gpu_memory_fraction=0.5"), total_bytes=80 * GIB) == 40 * GIB

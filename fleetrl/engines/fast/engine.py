@@ -40,6 +40,7 @@ from collections import deque
 from typing import Literal, Mapping
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function  # names the phases in a profile (bench/decode.py --longtail --profile)
 
 from fleetrl import heartbeat
@@ -93,6 +94,9 @@ class FastRolloutEngine:
     at a time where the weights changed. For a model FSDP2 shards (a colocated sharded actor): the engine then
     never needs it whole, each layer is gathered only while it is copied; the model stays sharded during the call.
     Freed by `sleep`. Replaces keep_cast (it is that copy).
+    cache_budget_bytes: the most bytes the KV cache may take (rollout.gpu_memory_fraction of the card): max_batch is
+    lowered to the slots of max_seq_len positions that fit (under tp, the fewest any rank's budget holds: the ranks
+    decode the same slots), and a call's samples beyond them wait for a slot. ValueError when not one slot fits.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: object | None, *, device: torch.device | str,
@@ -100,7 +104,8 @@ class FastRolloutEngine:
                  kernels: Literal["auto", "triton", "torch"] = "auto", sync_every: int = 16,
                  prefill_tokens: int = 32768, compute_dtype: torch.dtype | None = None,
                  fuse_projections: bool | None = None, keep_cast: bool | None = None,
-                 tp_group: object | None = None, own_weights: bool = False) -> None:
+                 tp_group: object | None = None, own_weights: bool = False,
+                 cache_budget_bytes: int | None = None) -> None:
         if max_batch < 1 or max_seq_len < 2 or sync_every < 1:
             raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, sync_every >= 1; got {max_batch}, "
                              f"{max_seq_len}, {sync_every}")
@@ -119,6 +124,8 @@ class FastRolloutEngine:
             check_shape(self.spec, intermediate_size(model_weights(model)), self.tp.size)
             self.local_spec = local_spec(self.spec, self.tp.size)
         self.dtype = compute_dtype or self.model_dtype
+        if cache_budget_bytes is not None:
+            self.max_batch = self._slots_within(cache_budget_bytes)
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         if self.use_cuda_graphs and self.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs a CUDA device; pass use_cuda_graphs=None or False on CPU")
@@ -135,7 +142,7 @@ class FastRolloutEngine:
                                    keep_cast=self.keep_cast, tp=self.tp, own=own_weights)
         self._eos = _eos_ids(model, tokenizer)
         self._rng = torch.Generator().manual_seed(seed)
-        self._buckets = batch_buckets(max_batch)  # per-allocation buckets are these, capped at its slot count
+        self._buckets = batch_buckets(self.max_batch)  # per-allocation buckets are these, capped at its slot count
         self._buf: SlotBuffers | None = None
         self._graphs: DecodeGraphs | None = None
         self._fingerprint: tuple[int, ...] = ()
@@ -228,9 +235,25 @@ class FastRolloutEngine:
 
     def cache_bytes(self) -> int:
         """The KV cache's bytes at its largest (max_batch slots of max_seq_len positions, this rank's KV heads)."""
+        return self.slot_bytes() * self.max_batch
+
+    def slot_bytes(self) -> int:
+        """One slot's KV cache: max_seq_len positions of keys and values of this rank's KV heads in every layer."""
         s = self.local_spec
         per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
-        return per_token * self.max_batch * self.max_seq_len
+        return per_token * self.max_seq_len
+
+    def _slots_within(self, budget: int) -> int:
+        slots = min(self.max_batch, budget // self.slot_bytes())
+        if self.tp is not None:  # the ranks decode the same slots: the smallest budget decides
+            t = torch.tensor([slots], dtype=torch.long, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
+            slots = int(t.item())
+        if slots < 1:
+            raise ValueError(f"the KV-cache budget of {budget / 2**30:.2f} GiB (rollout.gpu_memory_fraction) holds no "
+                             f"slot of {self.max_seq_len} positions ({self.slot_bytes() / 2**30:.2f} GiB each); raise "
+                             "rollout.gpu_memory_fraction, or shorten data.max_prompt_length / rollout.max_new_tokens")
+        return slots
 
     # ------------------------------------------------------------------------------------------ setup
     def _check_weights(self) -> torch.dtype:
