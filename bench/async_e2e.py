@@ -31,8 +31,9 @@ gives each async split's speedup over sync beside NeMo-RL's published figures.
 
 Memory: the fast engine's KV cache is static (slots × (prompt + max_new_tokens) positions, engines/fast/engine.py)
 and the Plan gives it one slot per sample of a call. At 4,096 new tokens that does not fit an 8B shape: 128 slots
-of Qwen3-8B are 81 GB. `engine_slots` caps the slots at what the estimated free memory holds (continuous batching
-then admits waiting prompts as slots free up); --slots overrides it. async13 trains 66 prompts a step: the Plan
+of Qwen3-8B are 81 GB. `engine_slots` picks the slots the estimated free memory holds and the run asks for them
+with rollout.gpu_memory_fraction (continuous batching then admits waiting prompts as slots free up); --slots
+overrides the estimate. async13 trains 66 prompts a step: the Plan
 deals whole groups, as many to each of the 3 actor ranks.
 
 Time on a 4-GPU host (estimates from the 7B 4-GPU run and the Qwen3-8B decode figures in bench/RESULTS.md; no
@@ -69,7 +70,6 @@ from fleetrl.config import Plan, derive_plan, load_config  # noqa: E402
 from fleetrl.trainer.run import run_plan  # noqa: E402
 
 ENV = "FLEETRL_BENCH_LONGTAIL"  # "mean,max_len,seed" for the worker hook
-SLOTS_ENV = "FLEETRL_BENCH_ENGINE_SLOTS"  # the fast engine's slot cap in every worker (engine_slots)
 # NeMo-RL v0.5, Llama-3.1-8B GRPO on 16x H100, 2,048 samples a step, max sequence 4,096 (issue 38).
 NEMO_RL_TOKENS_PER_S_PER_GPU = {"on-policy": 1581, "one-step off-policy": 2478}
 SPLITS = {"async": (1, 1), "async13": (1, 3), "async22": (2, 2)}  # mode -> (rollout GPUs, actor GPUs)
@@ -104,28 +104,11 @@ WORKLOADS = {2: Workload("qwen2.5-0.5b", 335.0, 1024, "sync,async", ()),
 
 
 def worker_setup() -> None:
-    """Ray worker_process_setup_hook: the long-tailed stop rule (bench/longtail.py) and the engine slot cap in every
-    worker process."""
+    """Ray worker_process_setup_hook: the long-tailed stop rule (bench/longtail.py) in every worker process."""
     spec = os.environ.get(ENV)
     if spec:
         mean, max_len, seed = spec.split(",")
         longtail.install(mean=float(mean), max_len=int(max_len), seed=int(seed), stats=[])
-    slots = int(os.environ.get(SLOTS_ENV) or 0)
-    if slots:
-        cap_engine_slots(slots)
-
-
-def cap_engine_slots(slots: int) -> None:
-    """FastRolloutEngine gets at most `slots` decode slots (its max_batch): a call with more samples queues the rest
-    and admits them as slots free up (the engine's continuous batching)."""
-    from fleetrl.engines.fast import engine
-
-    original = engine.FastRolloutEngine.__init__
-
-    def init(self, *args, max_batch: int = 256, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
-        original(self, *args, max_batch=min(max_batch, slots), **kwargs)
-
-    engine.FastRolloutEngine.__init__ = init
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -178,8 +161,15 @@ def training_stack(colocated: bool, args: argparse.Namespace) -> tuple[str, ...]
     return (*big, *SYNC_BIG) if big and colocated else big
 
 
-def mode_plan(mode: str, args: argparse.Namespace, run_dir: Path) -> Plan:
-    return derive_plan(load_config(args.config, mode_overrides(mode, args, run_dir)))
+def mode_plan(mode: str, args: argparse.Namespace, run_dir: Path, *extra: str) -> Plan:
+    return derive_plan(load_config(args.config, [*mode_overrides(mode, args, run_dir), *extra]))
+
+
+def slots_fraction(plan: Plan, slots: int, gpu_bytes: int) -> str:
+    """The rollout.gpu_memory_fraction override that gives the fast engine `slots` slots on a `gpu_bytes` card (its
+    KV cache: slots x Plan.rollout.max_seq_len positions; half a slot more, so the engine's floor lands on it)."""
+    slot = shape_bytes(plan)[2] * plan.rollout.max_seq_len
+    return f"rollout.gpu_memory_fraction={(slots + 0.5) * slot / gpu_bytes:.6f}"
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -251,11 +241,13 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     device, gpu_bytes = gpu_info()
     estimated = gpu_bytes and not args.slots and plan.config.model.path.startswith("random:")
     slots, mem = engine_slots(plan, gpu_bytes) if estimated else (args.slots, {})  # 0: the Plan's slots
+    if slots and slots < plan.rollout.max_batch and gpu_bytes:
+        plan = mode_plan(mode, args, run_dir, slots_fraction(plan, slots, gpu_bytes))
     os.environ[ENV] = f"{args.mean_len},{args.max_len},{plan.config.trainer.seed}"
     print(f"{mode}: pools {dict(plan.world)}, {plan.samples_per_step} samples a step, engine slots "
           f"{slots or plan.rollout.max_batch} of {plan.rollout.max_batch}, memory estimate {mem}", flush=True)
     t0 = time.time()
-    error = launch(plan, run_dir, slots, args.mode_timeout)
+    error = launch(plan, run_dir, args.mode_timeout)
     rows = measured_rows(run_dir, args.warmup)
     setup = {"bench": "async_e2e", "mode": mode, "shape": plan.config.model.path, "device": device,
              "prompts_per_step": plan.config.data.prompts_per_step, "samples_per_step": plan.samples_per_step,
@@ -267,12 +259,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     return setup | summarize(plan, rows, time.time() - t0) | ({"error": error} if error else {})
 
 
-def launch(plan: Plan, run_dir: Path, slots: int, timeout_s: int) -> str | None:
+def launch(plan: Plan, run_dir: Path, timeout_s: int) -> str | None:
     """Runs the plan on a local Ray cluster (the worker hook installed, `timeout_s` seconds at most: 0 = none); the
     failure as text, or None. A failing mode leaves the next one its turn, with its GPUs freed by ray.shutdown."""
     ray.init(address="local", include_dashboard=False, log_to_driver=False,
              runtime_env={"worker_process_setup_hook": "bench.async_e2e.worker_setup",
-                          "env_vars": {"OMP_NUM_THREADS": "1", ENV: os.environ[ENV], SLOTS_ENV: str(slots or "")}})
+                          "env_vars": {"OMP_NUM_THREADS": "1", ENV: os.environ[ENV]}})
 
     fired: list[bool] = []
 
@@ -382,7 +374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default="bench/e2e_grpo.yaml")
     ap.add_argument("--mean-len", type=float, default=None)
     ap.add_argument("--max-len", type=int, default=None)
-    ap.add_argument("--slots", type=int, default=0, help="fast-engine slots per rollout worker (0: engine_slots)")
+    ap.add_argument("--slots", type=int, default=0, help="fast-engine slots per rollout worker, GPU only (0: the "
+                    "engine_slots estimate)")
     ap.add_argument("--mode-timeout", type=int, default=0,
                     help="seconds per mode (0: none); a mode stopped after a measured step still reports it")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, short responses: checks the script")

@@ -11,8 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench import async_e2e as ae
 
@@ -55,19 +53,17 @@ def test_engine_slots_cap_what_the_card_cannot_hold():
     assert slots < rollout_only < 256 and est["weights_gib"] == pytest.approx(8.19e9 * 2 / ae.GIB, rel=0.01)
 
 
-def test_the_slot_cap_reaches_the_engine_which_still_generates_every_sample(monkeypatch):
-    from fleetrl.engines.fast import FastRolloutEngine
-    from fleetrl.engines.protocol import SamplingParams
-
-    monkeypatch.setattr(FastRolloutEngine, "__init__", FastRolloutEngine.__init__)  # undone after the test
-    ae.cap_engine_slots(2)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1)).eval()
-    engine = FastRolloutEngine(model, None, device="cpu", max_batch=64, max_seq_len=32)
-    out = engine.generate(torch.randint(1, 50, (6, 4)), torch.ones(6, 4, dtype=torch.long),
-                          SamplingParams(max_new_tokens=3, temperature=1.0))
-    assert engine.max_batch == 2 and out.responses.shape[0] == 6
+def test_the_slots_reach_the_run_as_rollout_gpu_memory_fraction():
+    """The estimate's slots travel as rollout.gpu_memory_fraction, which the engine turns back into that many slots
+    (engines/fast/engine.py: budget // slot bytes): no monkeypatch of the engine in the workers."""
+    p = plan("async22")
+    slots = ae.engine_slots(p, H100)[0]
+    override = ae.slots_fraction(p, slots, H100)
+    fraction = float(override.split("=")[1])
+    slot = 36 * 8 * 128 * 2 * 2 * p.rollout.max_seq_len  # Qwen3-8B: layers x KV heads x head_dim x (k, v) x bf16
+    assert int(fraction * H100) // slot == slots < p.rollout.max_batch
+    bounded = ae.mode_plan("async22", ae.parse_args(["--gpus", "4"]), Path("/tmp/unused"), override)
+    assert bounded.config.rollout.gpu_memory_fraction == fraction
 
 
 def test_a_mode_past_its_timeout_reports_instead_of_hanging(monkeypatch):
@@ -76,7 +72,7 @@ def test_a_mode_past_its_timeout_reports_instead_of_hanging(monkeypatch):
     monkeypatch.setattr(ae, "run_plan", lambda plan, run_dir: time.sleep(30))
     monkeypatch.setenv(ae.ENV, "6,16,0")
     t0 = time.time()
-    assert ae.launch(None, Path("/tmp/unused"), 0, 1) == "stopped by --mode-timeout 1 s"
+    assert ae.launch(None, Path("/tmp/unused"), 1) == "stopped by --mode-timeout 1 s"
     assert time.time() - t0 < 10
     lines = ae.summary({"sync": {"error": "stopped by --mode-timeout 1 s"}})
     assert lines[0] == "sync: stopped by --mode-timeout 1 s" and "2,478" in lines[-1]
