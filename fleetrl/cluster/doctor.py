@@ -172,10 +172,12 @@ def check_disk(probes: list[NodeProbe], path: Path, min_free_gb: float, basis: s
     low = [f"{p.ip}: {'unknown' if p.disk_free_bytes is None else f'{p.disk_free_bytes / GB:.1f} GB'}"
            for p in probes if p.disk_free_bytes is None or p.disk_free_bytes < min_free_gb * GB]
     if low:
-        return CheckResult("disk", False, f"free at {path} below {min_free_gb:.3g} GB ({basis}): {'; '.join(low)}",
-                           "free space there or point --checkpoint-path / trainer.output_dir at a larger disk")
+        return CheckResult("disk", False, f"free at {path} below {min_free_gb:,.1f} GB ({basis}): {'; '.join(low)}",
+                           "free space there, point --checkpoint-path / trainer.output_dir at a larger disk, keep "
+                           "fewer checkpoints (trainer.keep_last), or set --min-free-gb where you know the run "
+                           "needs less (a LoRA run's checkpoints hold its adapters only)")
     least = min(p.disk_free_bytes or 0 for p in probes) / GB if probes else 0
-    return CheckResult("disk", True, f"≥ {least:.1f} GB free at {path} on every node (needs {min_free_gb:.3g} GB: "
+    return CheckResult("disk", True, f"≥ {least:.1f} GB free at {path} on every node (needs {min_free_gb:,.1f} GB: "
                                      f"{basis})")
 
 

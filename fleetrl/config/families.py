@@ -10,10 +10,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # What the fast engine and the native forward lack for the families users ask about most: each one's differences
 # from the decoders above, read from its Hugging Face modelling code and configs. A refusal names them, so a user
 # knows the gap is real and what closing it would take.
-_GEMMA = ("the embedding scaled by sqrt(hidden_size), (1 + w) RMSNorms, a GELU-tanh MLP and attention scaled by "
-          "query_pre_attn_scalar")
-_GEMMA_LATER = (f"{_GEMMA}, a second norm after attention and after the MLP, and sliding-window attention on some "
-                "layers")
+_GEMMA = "the embedding scaled by sqrt(hidden_size), (1 + w) RMSNorms and a GELU-tanh MLP"
+_GEMMA_LATER = (f"{_GEMMA}, attention scaled by query_pre_attn_scalar, a second norm after attention and after the "
+                "MLP, and sliding-window attention on some layers")
 MISSING = {
     "gemma": _GEMMA,
     "gemma2": f"{_GEMMA_LATER} (every other layer), attention-logit and final-logit soft-capping",

@@ -6,6 +6,7 @@ re-derives these numbers or mutates the config.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
@@ -153,11 +154,11 @@ class Plan:
     """The policy check on each step's own samples (rollout.sync_check with source=step, the default): as
     `sync_check`, but judged on the step's mean rollout-vs-trainer log-prob gap, which costs nothing extra."""
     flash_attention_ok: bool = False
-    rollout_owns_weights: bool = False
-    """rollout.own_weights resolved: the fast engine decodes from its own copy, filled layer by layer (owned.py)."""
     """Every pass of the actor's own forward (the update; the old log-prob recompute where it runs) feeds attention
     fp16/bf16 q/k/v, which FlashAttention kernels need (they have no fp32): actor.packed_attention=auto picks the
     varlen kernel only then (workers/actor.py `packed_forward`), flex attention otherwise."""
+    rollout_owns_weights: bool = False
+    """rollout.own_weights resolved: the fast engine decodes from its own copy, filled layer by layer (owned.py)."""
 
     @property
     def correction_on_controller(self) -> bool:
@@ -188,16 +189,19 @@ class Plan:
 
     def disk_bytes(self, params: int) -> int:
         """At most what the run writes under trainer.output_dir for a model of `params` parameters: the checkpoints
-        held at once (keep_last, plus the one being written before the oldest goes, plus those keep_every keeps;
-        each the actor's weights in model.dtype and its Adam moments, up to 8 bytes a parameter, and the critic's
-        alike) and the Hugging Face exports. An upper bound: a LoRA checkpoint holds far less (adapters only).
-        `fleetrl doctor` checks each node's free space against it."""
+        held at once (keep_last, plus the one being written before the oldest goes, plus the saved ones keep_every
+        keeps; each the actor's weights in model.dtype and its Adam moments, up to 8 bytes a parameter, the critic's
+        alike, and the delta against the base with trainer.delta_checkpoints) and the Hugging Face exports. An
+        upper bound: a LoRA checkpoint holds far less (adapters only). `fleetrl doctor` checks free space against it."""
         t = self.config.trainer
         saves = -(-self.total_steps // t.save_every) if t.save_every else 1
-        held = saves if t.keep_last == 0 else min(saves, t.keep_last + 1)
-        held += self.total_steps // t.keep_every if t.keep_every else 0
+        held = saves if t.keep_last == 0 else t.keep_last + 1
+        if t.keep_every and t.save_every:  # only saved steps are kept: multiples of both
+            held += self.total_steps // math.lcm(t.save_every, t.keep_every)
+        held = min(saves, held)
         weights = params * DTYPE_BYTES[self.config.model.dtype]
-        checkpoint = (weights + 8 * params) * (2 if self.use_critic else 1)
+        delta = {"off": 0, "exact": weights, "int8": params}[t.delta_checkpoints]
+        checkpoint = (weights + 8 * params) * (2 if self.use_critic else 1) + delta
         exports = self.total_steps // t.export_every if t.export_every else 0
         return held * checkpoint + exports * weights
 

@@ -162,7 +162,8 @@ class RolloutConfig:
     decoder layer at a time, so an FSDP2-sharded colocated actor is never gathered whole (Qwen2.5-72B in bf16 is 145
     GB; each TP-4 rank then holds ~40 GB of it). false: the model's tensors in place (under FSDP2 the whole model is
     gathered for each call). auto: on for a fast engine colocated with an FSDP2 actor at tensor_parallel > 1
-    (Plan.rollout_owns_weights). Freed with the cache (free_cache) and refilled at the next call."""
+    (Plan.rollout_owns_weights). free_cache=auto frees it with the cache after each call (it is refilled at every
+    step anyway: the weights change at each update)."""
     val_temperature: float = 0.0
     """0 = greedy validation."""
     val_n: int = 1

@@ -87,14 +87,18 @@ def frees_cache(ctx: WorkerContext, engine: RolloutEngine) -> bool:
     """rollout.free_cache: whether a colocated fast engine frees its KV cache (and graphs, fused copies) after each
     call. On a CPU, auto frees it: otherwise the update runs on top of it and glibc keeps the call's freed pages
     (SmolLM2 LoRA on an AVX2 CPU: 0.72 GiB held through the update, bench/RESULTS.md "RSS over a whole run, third
-    round"; re-allocating costs ~1 ms). On a GPU, freeing costs the graphs' capture at the next call, so auto frees
-    only a cache over CACHE_SHARE of the card: Qwen3-8B colocated with 128 slots of 4,256 tokens holds 75 GB, and
+    round"; re-allocating costs ~1 ms). An engine that owns its weights (rollout.own_weights) frees too: its copy
+    is refilled at every step anyway, and every rank of the pool then frees, refills and gathers at the same calls
+    (the refill's FSDP2 gathers are collectives of the whole pool). On a GPU, freeing otherwise costs the graphs'
+    capture at the next call, so auto frees only a cache over CACHE_SHARE of the card: Qwen3-8B colocated with 128 slots of 4,256 tokens holds 75 GB, and
     its update ran out of memory on an H200 beside it."""
     r = ctx.cfg.rollout
     if r.engine != "fast" or not ctx.plan.rollout_colocated or r.free_cache is False:
         return False
     device = ctx.device()
-    if r.free_cache is True or device.type == "cpu":
+    # An owned copy of the weights (rollout.own_weights) is refilled at every step anyway (the weights change at
+    # each update), so freeing it with the cache costs an allocation: auto frees it (72B at TP 4: ~40 GB a GPU).
+    if r.free_cache is True or device.type == "cpu" or ctx.plan.rollout_owns_weights:
         return True
     return engine.cache_bytes() > CACHE_SHARE * torch.cuda.get_device_properties(device).total_memory
 
@@ -115,7 +119,7 @@ class RolloutComponent:
         # it); the hf and fast engines read the actor's parameters in place, so only the version moves.
         self.engine_holds_copy = ctx.cfg.rollout.engine == "vllm"
         self.release_after_call = frees_cache(ctx, self.engine)
-        if engine_group is not None:
+        if engine_group is not None and not ctx.plan.rollout_owns_weights:
             # An engine's ranks free (and capture again) together, or their collectives would not match: freeing
             # is decided per card, and a pool may mix cards.
             flag = torch.tensor([int(self.release_after_call)], device=ctx.device())

@@ -98,9 +98,9 @@ def test_ports_and_disk():
     r = dr.check_ports([_probe("a", unreachable=["b:6379 (Connection refused)"])])
     assert not r.ok and r.detail == "a -> b:6379 (Connection refused)" and "firewall" in r.fix
     r = dr.check_disk([_probe("a"), _probe("b", disk_free_bytes=5 * GB)], Path("/ckpt"), 20)
-    assert not r.ok and r.detail == "free at /ckpt below 20 GB (--min-free-gb): b: 5.0 GB"
+    assert not r.ok and r.detail == "free at /ckpt below 20.0 GB (--min-free-gb): b: 5.0 GB"
     assert (dr.check_disk([_probe("a")], Path("/ckpt"), 20).detail
-            == "≥ 100.0 GB free at /ckpt on every node (needs 20 GB: --min-free-gb)")
+            == "≥ 100.0 GB free at /ckpt on every node (needs 20.0 GB: --min-free-gb)")
 
 
 def _opts(config: Path | None, min_free_gb: float | None = None) -> dr.DoctorOptions:

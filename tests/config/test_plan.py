@@ -91,7 +91,7 @@ def test_summary_lists_every_derived_number():
                       "total_steps", "actor_optimizer_steps", "critic_optimizer_steps", "rollout_engine",
                       "val_batch_prompts", "kl_into_score", "rollout_correction", "correction_in_loss", "action_mask",
                       "ref_from_actor", "lora_base_dtype", "lora_base_upcast", "gradient_checkpointing", "actor_autocast", "rollout_compute_dtype", "pipeline",
-                      "rank_local", "flash_attention_ok"}
+                      "rank_local", "flash_attention_ok", "rollout_owns_weights"}
     assert s["samples_per_step"] == 32 and s["roles"]["actor"] == "main (dp=1)"
     assert s["rollout_engine"] == {"max_batch": 32, "max_seq_len": 512 + 64}  # schema defaults
 
@@ -107,3 +107,7 @@ def test_disk_bytes_counts_the_checkpoints_held_at_once():
     p = _plan("trainer.total_steps=10", "trainer.save_every=1", "trainer.keep_last=1", "trainer.keep_every=5",
               "algorithm.advantage=gae")
     assert p.disk_bytes(1000) == (2 + 2) * 2 * 12_000  # 2 held + steps 5 and 10 kept; actor and critic
+    p = _plan("trainer.total_steps=1000", "trainer.save_every=100", "trainer.keep_last=3", "trainer.keep_every=10")
+    assert p.disk_bytes(1000) == 10 * 12_000  # keep_every keeps saved steps only: at most the 10 saves
+    p = _plan("trainer.total_steps=10", "trainer.save_every=5", "trainer.keep_last=1", "trainer.delta_checkpoints=int8")
+    assert p.disk_bytes(1000) == 2 * (12_000 + 1_000)  # each held checkpoint also holds an int8 delta (1 byte)

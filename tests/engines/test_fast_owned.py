@@ -63,12 +63,15 @@ def test_owned_copy_decodes_as_the_models_own_tensors(arch: str, fuse: bool, lor
     # the copy is the engine's own memory: no tensor it decodes with is one of the model's
     model_ptrs = {p.data_ptr() for p in model.parameters()}
     assert not any(t.data_ptr() in model_ptrs for t in owned._fwd.owned.weights.tensors())
+    addresses = [t.data_ptr() for t in owned._fwd.owned.weights.tensors()]
     _step(model, ids, before[1].responses)
     plain.weights_version = owned.weights_version = 1  # what a colocated sync does
     for params, old in zip(_calls(eos=7), before):
         a, b = plain.generate(ids, mask, params), owned.generate(ids, mask, params)
         _same(a, b)
         assert not torch.allclose(b.logprobs, old.logprobs, atol=1e-3), "the owned copy holds the new weights"
+    # refreshed in place: captured CUDA graphs read these addresses
+    assert [t.data_ptr() for t in owned._fwd.owned.weights.tensors()] == addresses
     owned.sleep()
     assert owned._fwd.owned.weights is None and owned._fwd.owned.nbytes() == 0
     _same(plain.generate(ids, mask, _calls(eos=7)[0]), owned.generate(ids, mask, _calls(eos=7)[0]))

@@ -37,6 +37,13 @@ def test_auto_on_a_gpu_frees_only_a_cache_over_a_quarter_of_the_card(on_a_140_gi
     assert not rollout.frees_cache(ctx(), engine(34))    # 34 < 35 GiB: kept, and its CUDA graphs with it
 
 
+def test_auto_frees_an_engine_that_owns_its_weights(on_a_140_gib_gpu):
+    """Its copy is refilled at every step anyway; 72B at TP 4 holds ~40 GB of it beside a small cache."""
+    owning = ctx("rollout.own_weights=true", "cluster.pools.main.gpus_per_worker=1")
+    assert owning.plan.rollout_owns_weights and rollout.frees_cache(owning, engine(1))
+    assert not rollout.frees_cache(ctx("rollout.own_weights=true", "rollout.free_cache=false"), engine(1))
+
+
 def test_true_and_false_override_auto(on_a_140_gib_gpu):
     assert rollout.frees_cache(ctx("rollout.free_cache=true"), engine(1))
     assert not rollout.frees_cache(ctx("rollout.free_cache=false"), engine(75))

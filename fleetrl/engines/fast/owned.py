@@ -17,7 +17,8 @@ sliced, as at k = 1.
 Cost per rank: 1/k of the projections plus the embedding and head, in the compute dtype (Qwen2.5-72B, TP 4, bf16:
 ~35 GB of projections + 2 x 2.5 GB), held between calls and freed by `FastRolloutEngine.sleep`; per weights
 version one read of the whole layers (the same all-gather traffic as a whole-model unshard) and one write of the
-rank's slices. A LoRA merge changes at every call, so a LoRA actor refreshes at every call, as the fused copies do.
+rank's slices. A LoRA actor's merge is refreshed with the version too (not at every call, as the fused copies are):
+its adapters change only at an update, which bumps the version.
 
 Invariant: while `stale` is False, `weights` equals the model's current (merged) weights, sliced for this rank and
 rounded to the compute dtype.
@@ -82,13 +83,15 @@ class OwnedWeights:
 
     @torch.no_grad()
     def refresh(self, model: torch.nn.Module) -> ModelWeights:
-        """Brings the copy up to the model's current weights where stale (always with LoRA adapters: their merge
-        changes at every call), gathering one FSDP2 group at a time; returns what the engine decodes with."""
+        """Brings the copy up to the model's current weights where stale, gathering one FSDP2 group at a time; returns
+        what the engine decodes with. Only where stale: a LoRA actor's adapters change with the weights version (the
+        colocated sync bumps it after each update), and under FSDP2 every refresh is a collective, so the ranks must
+        refresh at the same calls whatever each one's number of calls (a multi-turn episode's turns differ)."""
         from fleetrl.models.lora import lora_layers
 
-        adapted = lora_layers(model)
-        if self.weights is not None and not self.stale and not adapted:
+        if self.weights is not None and not self.stale:
             return self.weights
+        adapted = lora_layers(model)
         layers = list(model.model.layers)
         check_adapted(adapted, len(layers))
         old = self._own

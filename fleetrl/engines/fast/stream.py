@@ -1,0 +1,320 @@
+"""Continuous batching across generate calls, with weights updated in flight (`trainer.stream_rollouts`).
+
+Why: an async rollout worker used to run its calls one after another, each to its longest sample. With long-tailed
+responses (a few clipped at 4,096 tokens among ~1,000-token ones) every call ends in a tail where a handful of
+samples decode in an otherwise empty engine, so generation costs ~4,096 sequential decode steps per call whatever
+its batch, and no split of the GPUs gets async past the synchronous step (docs/async.md, "What bounds async").
+Here the next calls' samples take the slots the finishing ones free, so the engine stays full.
+
+How: one engine thread per rollout worker runs the engine's continuous-batching loop (`FastRolloutEngine._run`'s
+steps: admit, decode a round, read the done flags, harvest, compact) with its waiting queue fed by every call; a
+call's thread waits until its last sample finishes and gets its own `GenerationOutput`. Between two decode rounds
+the thread installs weights published since (`install`: the worker's load of the newest offered version, in place,
+then the engine's fused and cast copies refreshed in place, so captured CUDA graphs stay valid) and the running
+samples go on decoding with them, their KV caches as they are: no re-prefill (PipelineRL's in-flight weight
+updates, Piché et al. 2025). Each token records the version of the weights that sampled it (`token_versions`) and
+the log-prob it was sampled with, which the rollout correction weighs; a sample's version only grows, so its first
+token is its oldest, and that is at least the version its call was tagged with (a call waits until the engine holds
+it): the schedule's staleness bound holds per token as with partial rollouts.
+
+Samples of different calls share one sampler setting (temperature, top-p, top-k, stop ids): an async run's calls
+do. A call whose setting differs (validation's greedy calls) and any `exclusive` task (a weights load from another
+thread) wait until the running samples finish. A request's random stream is keyed by its call's seed and its index
+in the call (`request_key`), so samples do not depend on which slot or call order they get; which version samples
+which token depends on timing, so a streamed run is not reproducible number for number.
+"""
+from __future__ import annotations
+
+import heapq
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from fleetrl import heartbeat
+from fleetrl.engines.fast.graphs import bucket_for
+from fleetrl.engines.fast.postprocess import assemble_output
+from fleetrl.engines.fast.state import SlotBuffers, device_index
+from fleetrl.engines.protocol import GenerationOutput, SamplingParams, response_limits
+
+WAIT_S = 1.0  # the idle engine thread looks at its queue at least this often (an offer also wakes it: `poke`)
+
+
+def request_key(seed: int, index: int) -> int:
+    """A 31-bit key of (call seed, index in the call): what keys a streamed sample's random draws (sampling.py)."""
+    h = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    h ^= h >> 31
+    h = (h * 0xD6E8FEB86659FD93) & (2**64 - 1)
+    return (h ^ (h >> 32)) & 0x7FFFFFFF
+
+
+@dataclass(eq=False)
+class _Call:
+    rows: list[torch.Tensor]
+    limits: list[int]
+    params: SamplingParams
+    min_version: int
+    done: threading.Event = field(default_factory=threading.Event)
+    left: int = 0
+    tok: dict[int, torch.Tensor] = field(default_factory=dict)
+    lp: dict[int, torch.Tensor] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
+    switches: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # index -> [(first token, version)]
+    output: GenerationOutput | None = None
+    token_versions: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Task:
+    """Work that needs the engine to itself (a weights load from another thread): run between sessions."""
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+def _sampler_of(params: SamplingParams) -> tuple:
+    return params.temperature, params.top_p, params.top_k, tuple(sorted(params.stop_token_ids))
+
+
+class EngineStream:
+    """The engine thread and its queue (module docstring). `install()` brings the engine to the newest weights
+    offered to its worker (a no-op when it holds them); it runs on the engine thread."""
+
+    def __init__(self, engine: Any, install: Callable[[], None], seed: int = 0) -> None:
+        self.engine, self.install, self.seed = engine, install, seed
+        self._cv = threading.Condition()
+        self._queue: deque[_Call | _Task] = deque()
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self.stats = {"sessions": 0, "installs": 0, "calls": 0}
+
+    # ------------------------------------------------------------------------------------------ callers
+    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                 min_version: int = 0) -> tuple[GenerationOutput, torch.Tensor]:
+        """One call's samples through the stream, once the engine holds weights version >= min_version ->
+        (output, token_versions [B, R] long: the version that sampled each token, 0 past a response's end)."""
+        rows = self.engine._unpad(prompts, prompt_mask, params)
+        call = _Call(rows, response_limits(params, len(rows)).tolist(), params, min_version)
+        self._submit(call)
+        assert call.output is not None and call.token_versions is not None
+        return call.output, call.token_versions
+
+    def exclusive(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the engine thread while no sample runs (FIFO with the calls); from the engine thread itself, now."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        task = _Task(fn)
+        self._submit(task)
+        return task.result
+
+    def poke(self) -> None:
+        """New weights were offered: an idle engine thread looks at its queue again (a call may wait for them)."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def _submit(self, item: _Call | _Task) -> None:
+        with self._cv:
+            if self._failed is not None:
+                raise RuntimeError(f"the rollout engine's stream failed earlier: {self._failed!r}") from self._failed
+            self._queue.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, daemon=True, name="fleetrl-engine-stream")
+                self._thread.start()
+            self._cv.notify_all()
+        item.done.wait()
+        if item.error is not None:
+            raise item.error
+
+    # ------------------------------------------------------------------------------------- engine thread
+    def _serve(self) -> None:
+        live: list[_Call] = []
+        try:
+            while True:
+                with self._cv:
+                    while not self._queue:
+                        self._cv.wait(WAIT_S)
+                self.install()
+                first = self._first_startable()
+                if isinstance(first, _Task):
+                    self._run_task(first)
+                elif first is None or not self._session(live):
+                    with self._cv:  # every queued call waits for weights not offered yet: wait for an offer
+                        self._cv.wait(WAIT_S)
+        except BaseException as err:  # every waiting caller gets the error; later ones too (`_submit`)
+            with self._cv:
+                self._failed = err
+                waiting = [*live, *self._queue]
+                self._queue.clear()
+            for item in waiting:
+                item.error = err
+                item.done.set()
+
+    def _first_startable(self) -> _Call | _Task | None:
+        """The first queued task, or call whose weights the engine holds (calls waiting for newer ones are passed)."""
+        with self._cv:
+            return next((item for item in self._queue
+                         if isinstance(item, _Task) or item.min_version <= self.engine.weights_version), None)
+
+    def _run_task(self, task: _Task) -> None:
+        with self._cv:
+            self._queue.remove(task)
+        try:
+            task.result = task.fn()
+        except Exception as err:  # the caller's error, not the stream's
+            task.error = err
+        task.done.set()
+
+    def _take(self, sampler: tuple | None, version: int) -> tuple[tuple | None, list[_Call]]:
+        """The queued calls that may join a session of `sampler` (None: the first startable call's) now, in order:
+        a call tagged with weights newer than `version` is passed over (it waits for them), a call of another
+        sampler setting or a task is a barrier (what follows it waits too, so nothing overtakes it for long)."""
+        taken: list[_Call] = []
+        with self._cv:
+            for item in self._queue:
+                if isinstance(item, _Task):
+                    break
+                if item.min_version > version:
+                    continue
+                if sampler is None:
+                    sampler = _sampler_of(item.params)
+                elif _sampler_of(item.params) != sampler:
+                    break
+                taken.append(item)
+            for call in taken:
+                self._queue.remove(call)
+        return sampler, taken
+
+    def _session(self, live: list[_Call]) -> bool:
+        """Runs calls of one sampler setting until no sample is left and no queued call may join; False when none
+        could start (the head call waits for weights not offered yet)."""
+        e = self.engine
+        self.install()
+        sampler, calls = self._take(None, e.weights_version)
+        if not calls:
+            return False
+        head = calls[0]
+        self.stats["sessions"] += 1
+        e._prepare_weights()
+        buf = e._ready(e.max_batch, e.max_seq_len)
+        key = e._configure(buf, head.params)
+        buf.seed.fill_(self.seed)  # each request's own key (request_key) carries its call's seed
+        buf.done.fill_(True)
+        loop = _Loop(e, buf, key)
+        pending: deque[int] = deque()
+        while calls or pending or loop.running:
+            for call in calls:
+                live.append(call)
+                self._enqueue(call, pending, loop)
+            for rid, count, tok, lp in loop.round(pending):
+                self._finish_request(loop, rid, count, tok, lp, live)
+            before = e.weights_version
+            self.install()  # in flight: the running samples continue on the newest weights
+            if e.weights_version != before:
+                e._prepare_weights()
+                self.stats["installs"] += 1
+                for slot, rid in loop.running.items():
+                    call, index = loop.owner[rid]
+                    call.switches[index].append((loop.sampled[slot], e.weights_version))
+            loop.compact_if_idle(pending)
+            calls = self._take(sampler, e.weights_version)[1]
+        return True
+
+    def _enqueue(self, call: _Call, pending: deque[int], loop: "_Loop") -> None:
+        call.left = len(call.rows)
+        self.stats["calls"] += 1
+        for index, row in enumerate(call.rows):
+            rid = loop.new_request(row, call.limits[index], request_key(call.params.seed or 0, index))
+            loop.owner[rid] = (call, index)
+            pending.append(rid)
+
+    def _finish_request(self, loop: "_Loop", rid: int, count: int, tok: torch.Tensor, lp: torch.Tensor,
+                        live: list[_Call]) -> None:
+        call, index = loop.owner.pop(rid)
+        call.tok[index], call.lp[index], call.counts[index] = tok, lp, count
+        call.left -= 1
+        if call.left:
+            return
+        n, width = len(call.rows), max(call.limits)
+        e = self.engine
+        toks = torch.stack([call.tok[i][:width] for i in range(n)])
+        lps = torch.stack([call.lp[i][:width] for i in range(n)])
+        stop = set(e._eos) | set(call.params.stop_token_ids)
+        call.output = assemble_output(toks, lps, [call.counts[i] for i in range(n)], stop, call.params.stop_strings,
+                                      e.tokenizer, call.rows[0].device)
+        call.token_versions = _versions(call, call.output.responses.shape[1])
+        live.remove(call)
+        call.done.set()
+
+
+def _versions(call: _Call, width: int) -> torch.Tensor:
+    """[B, width] long: token t of sample i was sampled by the version of the last switch at or before t."""
+    out = torch.zeros(len(call.rows), width, dtype=torch.long)
+    for i, switches in call.switches.items():
+        for start, version in switches:
+            if start < width:
+                out[i, start:] = version
+    return out
+
+
+class _Loop:
+    """One session's continuous-batching state (FastRolloutEngine._run's, with requests arriving while it runs)."""
+
+    def __init__(self, engine: Any, buf: SlotBuffers, key: Any) -> None:
+        self.e, self.buf, self.key = engine, buf, key
+        self.free = list(range(buf.slots))
+        self.buckets = [b for b in engine._buckets if b < buf.slots] + [buf.slots]
+        self.running: dict[int, int] = {}  # slot -> request id
+        self.length: dict[int, int] = {}
+        self.sampled: dict[int, int] = {}
+        self.rows: dict[int, torch.Tensor] = {}  # request id -> prompt (until it finishes)
+        self.limits: dict[int, int] = {}
+        self.owner: dict[int, tuple[_Call, int]] = {}
+        self.ahead = 0
+
+    def new_request(self, row: torch.Tensor, limit: int, key: int) -> int:
+        rid = key
+        while rid in self.rows:  # keys of live requests must differ (one stream per request); a clash is rare
+            rid = (rid + 1) & 0x7FFFFFFF
+        self.rows[rid], self.limits[rid] = row, limit
+        return rid
+
+    def round(self, pending: deque[int]) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Admits waiting requests to free slots, decodes a round, reads the done flags -> the finished requests
+        (request id, token count, tokens, log-probs), their slots freed."""
+        e, buf = self.e, self.buf
+        heartbeat.beat()
+        admit = [(heapq.heappop(self.free), pending.popleft()) for _ in range(min(len(self.free), len(pending)))]
+        if admit:
+            e._prefill(buf, self.rows, admit, self.limits, self.key)
+            for slot, rid in admit:
+                self.running[slot], self.length[slot], self.sampled[slot] = rid, len(self.rows[rid]), 1
+                call, index = self.owner[rid]
+                call.switches[index] = [(0, e.weights_version)]
+        e._decode_round(e.sync_every - self.ahead, self.running, self.length, self.sampled, self.limits,
+                        self.buckets, self.key)
+        nb = bucket_for(max(self.running) + 1, self.buckets)
+        done, count = torch.stack((buf.done[:nb].long(), buf.count[:nb])).cpu().tolist()
+        e.stats["syncs"] += 1
+        finished = {s: self.running.pop(s) for s in list(self.running) if done[s]}
+        self.ahead = e._decode_round(e.sync_every // 2, self.running, self.length, self.sampled, self.limits,
+                                     self.buckets, self.key) if finished and self.running else 0
+        if not finished:
+            return []
+        index = device_index(list(finished), e.device)
+        buf.release(index)
+        width = max(self.limits[r] for r in finished.values())
+        toks, lps = buf.out_tok[index, :width], buf.out_lp[index, :width]
+        out = []
+        for i, (slot, rid) in enumerate(finished.items()):
+            out.append((rid, count[slot], toks[i], lps[i]))
+            heapq.heappush(self.free, slot)
+            del self.length[slot], self.sampled[slot], self.rows[rid], self.limits[rid]
+        return out
+
+    def compact_if_idle(self, pending: deque[int]) -> None:
+        if self.running and not pending:  # nothing to refill the freed slots with: shrink the decode batch
+            self.e._compact(self.buf, self.running, self.length, self.sampled, self.free, self.buckets)
