@@ -7,6 +7,8 @@ Modes (the pools of cluster.pools; async modes run trainer.mode=async, max_stale
     async    2 GPUs: a rollout pool of 1 GPU generating while an actor pool of 1 GPU trains (issue 15)
     async13  4 GPUs: rollout pool 1 GPU, actor pool 3 GPUs (FSDP2 over 3)
     async22  4 GPUs: rollout pool 2 GPUs, actor pool 2 GPUs (FSDP2 over 2)
+    asyncs, async13s, async22s   the same splits with the rollout worker's calls streamed through one engine loop
+             that takes up new weights between decode rounds (trainer.stream_rollouts, fast engine)
 
 Workloads (--gpus picks one; long-tailed response lengths of bench/longtail.py, applied inside every Ray worker
 through Ray's worker_process_setup_hook):
@@ -72,7 +74,10 @@ from fleetrl.trainer.run import run_plan  # noqa: E402
 ENV = "FLEETRL_BENCH_LONGTAIL"  # "mean,max_len,seed" for the worker hook
 # NeMo-RL v0.5, Llama-3.1-8B GRPO on 16x H100, 2,048 samples a step, max sequence 4,096 (issue 38).
 NEMO_RL_TOKENS_PER_S_PER_GPU = {"on-policy": 1581, "one-step off-policy": 2478}
-SPLITS = {"async": (1, 1), "async13": (1, 3), "async22": (2, 2)}  # mode -> (rollout GPUs, actor GPUs)
+# mode -> (rollout GPUs, actor GPUs); an "s" suffix streams the rollout worker's calls (trainer.stream_rollouts)
+SPLITS = {"async": (1, 1), "async13": (1, 3), "async22": (2, 2), "asyncs": (1, 1), "async13s": (1, 3),
+          "async22s": (2, 2)}
+STREAMED = ("trainer.stream_rollouts=true", "rollout.engine=fast")
 ASYNC = ("trainer.mode=async", "trainer.max_staleness=1", "algorithm.rollout_correction.mode=tis")
 # 8B on 4 GPUs: gpu_suite.sh e2e7b4's stack (bench/RESULTS.md "7B on 4 GPUs"). micro_batch_size only has to
 # divide each rank's samples (66 prompts over 3 ranks: 176), packing goes by the token budget.
@@ -150,7 +155,8 @@ def mode_overrides(mode: str, args: argparse.Namespace, run_dir: Path) -> list[s
             "cluster.backend=ray", "tracking.console=false",
             "trainer.save_last=false",  # a benchmark is never resumed: no checkpoint of its last step
             *pool_overrides(mode, args.gpus, args.smoke), *model, f"data.prompts_per_step={prompts}",
-            *training_stack(split is None, args), f"trainer.output_dir={run_dir}", *args.overrides]
+            *training_stack(split is None, args), *(STREAMED if mode.endswith("s") and split else ()),
+            f"trainer.output_dir={run_dir}", *args.overrides]
 
 
 def training_stack(colocated: bool, args: argparse.Namespace) -> tuple[str, ...]:

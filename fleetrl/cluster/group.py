@@ -45,7 +45,10 @@ class _RayWorker(Worker):
         os.environ["FLEETRL_NODE_ID"] = ray.get_runtime_context().get_node_id()
         super().__init__(ctx)
         self._last_end: float | None = None  # end of this worker's previous async generate call
-        self._offered: tuple[list[Any], int] = ([], 0)  # the newest published weights (partial rollouts)
+        self._offered: tuple[list[Any], int] = ([], 0)  # the newest published weights (partial, streamed rollouts)
+        self.streaming = ctx.plan.pipeline is not None and ctx.plan.pipeline.stream and self.rollout is not None
+        if self.streaming:  # trainer.stream_rollouts: one engine loop serves this worker's calls
+            self.rollout.start_stream(self.install_newest)
 
     # -------------------------------------------- async weight path (trainer.mode=async), through the object store
     def put_weights(self) -> list[Any]:
@@ -56,18 +59,24 @@ class _RayWorker(Worker):
             return [] if named is None else [ray.put(named)]
 
     def load_published(self, weights: list[Any], version: int) -> int:
-        """Installs the published weights unless this engine already holds `version` (or newer)."""
-        if weights and self.weights_version() < version:
-            with heartbeat.beating():  # the pull from another node's object store may outlast cluster.stall_s
-                self.install_weights(ray.get(weights[0]), version)
-        return self.weights_version()
+        """Installs the published weights unless this engine already holds `version` (or newer); streamed, on the
+        engine loop's thread while no sample runs (a load from another thread must not race its decoding)."""
+        def load() -> int:
+            if weights and self.weights_version() < version:
+                with heartbeat.beating():  # the pull from another node's object store may outlast cluster.stall_s
+                    self.install_weights(ray.get(weights[0]), version)
+            return self.weights_version()
+
+        return self._need("rollout").on_engine(load)
 
     def offer_weights(self, weights: list[Any], version: int) -> None:
-        """Partial rollouts: notes the newest published weights without installing them. It runs outside the serial
-        group, so it does not wait behind the generation; that generation installs them at its next segment
-        (`install_newest`), and later calls before they start."""
+        """Partial and streamed rollouts: notes the newest published weights without installing them. It runs outside
+        the serial group, so it does not wait behind the generation; that generation installs them at its next
+        segment, or the engine loop between two decode rounds (`install_newest`), and later calls before they start."""
         if version > self._offered[1]:
             self._offered = (weights, version)  # one assignment: the serial thread reads the pair whole
+            if self.streaming:
+                self.rollout.stream.poke()  # a call waiting for this version may start
 
     def install_newest(self) -> None:
         weights, version = self._offered
@@ -88,7 +97,10 @@ class _RayWorker(Worker):
         whose arguments arrive first runs first), so a separate load call could land after the generation."""
         start = time.perf_counter()
         try:
-            self.load_published(weights, version)
+            if self.streaming:  # the loop installs it between decode rounds; the call waits until it holds it
+                self.offer_weights(weights, version)
+            else:
+                self.load_published(weights, version)
             out = self.generate(batch, req)
         finally:
             gap, self._last_end = (0.0 if self._last_end is None else start - self._last_end), time.perf_counter()
@@ -138,7 +150,10 @@ class WorkerGroup:
         self.pg = create_pool_group(self.pool, self.plan.config.cluster.placement_timeout_s)
         bundle = self.pool.bundle
         custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-        cls = ray.remote(concurrency_groups={SERIAL: 1})(_RayWorker) if self.serial else ray.remote(_RayWorker)
+        # trainer.stream_rollouts: the window's calls on a worker wait in its engine loop together, not in Ray's queue
+        pipe = self.plan.pipeline
+        width = pipe.stream_calls if pipe is not None and pipe.stream else 1
+        cls = ray.remote(concurrency_groups={SERIAL: width})(_RayWorker) if self.serial else ray.remote(_RayWorker)
         workers = []
         for rank in range(self.world_size):
             node_index = rank // self.pool.bundles_per_node

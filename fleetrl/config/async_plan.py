@@ -30,6 +30,14 @@ class AsyncPlan:
     segment_tokens: int | None = None
     """trainer.partial_rollouts: new tokens per sample per segment of a generate call (workers/partial.py); the
     rollout worker installs the newest published weights between segments. None = partial rollouts off."""
+    stream_calls: int = 0
+    """trainer.stream_rollouts: generate calls one rollout worker may hold at once (the window's chunks on it, plus
+    two for a weights load and a validation call), all served by its one engine loop (engines/fast/stream.py); its
+    serial concurrency group is that wide. 0 = streaming off: calls run one after another."""
+
+    @property
+    def stream(self) -> bool:
+        return self.stream_calls > 0
 
     @property
     def chunks_per_step(self) -> int:
@@ -40,6 +48,10 @@ def derive_async(cfg: RunConfig, roles: Mapping[str, str], rollout_world: int) -
     """None in synchronous mode; ConfigError naming the key and the fix when async cannot run this config."""
     t = cfg.trainer
     if t.mode == "sync":
+        if t.stream_rollouts:
+            raise ConfigError("trainer.stream_rollouts=true serves an async rollout pool's generate calls from one "
+                              "engine loop, taking up weights published while they run, which only trainer.mode=async "
+                              "publishes; set trainer.mode=async or trainer.stream_rollouts=false")
         if t.partial_rollouts:
             raise ConfigError("trainer.partial_rollouts=true continues unfinished samples on weights published while "
                               "they generate, which only trainer.mode=async publishes; set trainer.mode=async or "
@@ -67,7 +79,7 @@ def derive_async(cfg: RunConfig, roles: Mapping[str, str], rollout_world: int) -
     return AsyncPlan(max_staleness=t.max_staleness, stale=t.stale, groups_per_step=prompts, chunk_groups=chunk,
                      window_groups=(t.max_staleness + 1) * prompts,
                      max_chunks_per_step=per_step * (ds.max_rounds if ds.enabled else 1),
-                     segment_tokens=_segment_tokens(cfg))
+                     segment_tokens=_segment_tokens(cfg), stream_calls=_stream_calls(cfg, chunk, rollout_world))
 
 
 def _segment_tokens(cfg: RunConfig) -> int | None:
@@ -90,6 +102,25 @@ def _segment_tokens(cfg: RunConfig) -> int | None:
                           f"{r.max_new_tokens} (new tokens per sample per segment); set it there or null "
                           f"(ceil(max_new_tokens / 4))")
     return seg
+
+
+def _stream_calls(cfg: RunConfig, chunk: int, rollout_world: int) -> int:
+    """trainer.stream_rollouts: the calls one rollout worker may hold (0 = off); ConfigError where it cannot run."""
+    t, r = cfg.trainer, cfg.rollout
+    if not t.stream_rollouts:
+        return 0
+    if r.engine != "fast":
+        raise ConfigError(f"trainer.stream_rollouts=true runs the fast engine's continuous-batching loop across calls; "
+                          f"rollout.engine={r.engine} has none here: set rollout.engine=fast or "
+                          "trainer.stream_rollouts=false")
+    if t.partial_rollouts:
+        raise ConfigError("trainer.stream_rollouts=true takes up new weights between decode rounds, which supersedes "
+                          "trainer.partial_rollouts' segments: set one of them to false")
+    if r.env is not None:
+        raise ConfigError("trainer.stream_rollouts=true streams single-turn generations; rollout.env runs multi-turn "
+                          "episodes. Set trainer.stream_rollouts=false or remove rollout.env")
+    window_chunks = (t.max_staleness + 1) * (cfg.data.prompts_per_step // chunk)
+    return -(-window_chunks // rollout_world) + 2
 
 
 def _default_chunk(prompts: int, world: int) -> int:

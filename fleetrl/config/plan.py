@@ -241,7 +241,8 @@ class Plan:
                 "max_staleness": self.pipeline.max_staleness, "stale": self.pipeline.stale,
                 "chunk_groups": self.pipeline.chunk_groups, "window_groups": self.pipeline.window_groups,
                 **({} if self.pipeline.segment_tokens is None else
-                   {"partial_segment_tokens": self.pipeline.segment_tokens})},
+                   {"partial_segment_tokens": self.pipeline.segment_tokens}),
+                **({"stream_calls": self.pipeline.stream_calls} if self.pipeline.stream else {})},
         }
 
 
@@ -475,6 +476,8 @@ def _engine_sizes(cfg: RunConfig, world: int, samples: int, val_prompts: int,
     per_worker = max(samples // world, -(-val_samples // world))
     if pipeline is not None:  # one async generate call carries chunk_groups whole groups on one worker
         per_worker = max(per_worker, pipeline.chunk_groups * cfg.rollout.n)
+    if pipeline is not None and pipeline.stream:  # one loop may hold every sample of the window's chunks on it
+        per_worker = max(per_worker, -(-pipeline.window_groups * cfg.rollout.n // world))
     # Partial rollouts: a segment's call sizes every row for its largest budget, so a row near its limit (prompt +
     # max_new_tokens - 1 tokens so far) beside a row with a whole segment left needs segment_tokens more positions.
     extra = pipeline.segment_tokens if pipeline is not None and pipeline.segment_tokens else 0

@@ -450,6 +450,14 @@ class TrainerConfig:
     partial_segment_tokens: int | None = None
     """partial_rollouts: new tokens per sample per segment; None = ceil(rollout.max_new_tokens / 4) (at most three
     re-prefills per sample, a newer version taken up within a quarter of the longest response)."""
+    stream_rollouts: bool = False
+    """async, fast engine (docs/async.md, Streamed rollouts): each rollout worker runs one continuous-batching loop for
+    all its generate calls (engines/fast/stream.py): the next calls' samples take the slots that finishing samples
+    free, so no call waits out its longest sample in an emptying engine, and weights published meanwhile are
+    installed between decode rounds, the running samples decoding on with them (their KV caches kept; PipelineRL's
+    in-flight updates). Each token records the version that sampled it (`token_versions`); the staleness bound holds
+    per token. Its engine holds up to the window's samples per worker (bound it with rollout.gpu_memory_fraction).
+    Not with partial_rollouts (it supersedes them) or rollout.env."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,8 @@ class AsyncRollouts:
         new version. Version 0 of a fresh run needs no copy (both pools built the same initial weights)."""
         self.weights = [r for refs in self.actor.call_all(_RayWorker.put_weights) for r in refs]
         self.version = version
-        if self.p.segment_tokens is not None:  # partial rollouts: running generations take it at their next segment
+        if self.p.segment_tokens is not None or self.p.stream:
+            # partial rollouts: running generations take it at their next segment; streamed: between decode rounds
             self.rollout.call_all(_RayWorker.offer_weights, self.weights, version)
         self._fill()
 
@@ -185,7 +186,7 @@ class AsyncRollouts:
              "async/dropped_samples": float(self.dropped_samples), "async/open_groups": float(self.window.open_groups)}
         for j in range(self.p.max_staleness + 1):
             m[f"async/staleness_count/{j}"] = float((stale == j).sum())
-        if self.p.segment_tokens is not None:
+        if self.p.segment_tokens is not None or self.p.stream:
             m.update(token_metrics(batch, trained_version, self.p.max_staleness))
         waited, busy = self.stream.take_times()
         m["async/actor_wait_s"] = waited

@@ -128,6 +128,7 @@ class RolloutComponent:
         # FLEETRL_FAULT_SYNC_SKIP (tests of the policy check): a colocated engine that never sees some parameters'
         # updates; a separate pool's skip is in Worker.install_weights.
         self.stale = StaleView(model) if skipped_patterns() and ctx.plan.rollout_colocated else None
+        self.stream = None  # trainer.stream_rollouts: the engine loop every call goes through (`start_stream`)
         self.episodes = None
         if ctx.cfg.rollout.env is not None:  # multi-turn: the environment plays against the engine
             from fleetrl.workers.episodes import EpisodeRunner
@@ -137,11 +138,24 @@ class RolloutComponent:
     def engine_model(self) -> torch.nn.Module:
         return self.model
 
+    def start_stream(self, install: Callable[[], None]) -> None:
+        """trainer.stream_rollouts: from now on every generate call and every weights load goes through one engine
+        loop on its own thread (engines/fast/stream.py); `install` loads the newest weights offered to this worker."""
+        from fleetrl.engines.fast.stream import EngineStream
+
+        self.stream = EngineStream(self.engine, install, seed=self.ctx.plan.seed("engine", rank=self.ctx.rank))
+
+    def on_engine(self, fn: Callable[[], object]) -> object:
+        """fn() where it may touch the engine: on the stream's thread between its sessions, or here without one."""
+        return fn() if self.stream is None else self.stream.exclusive(fn)
+
     def generate(self, batch: Batch, req: GenerateRequest, before_segment: Callable[[], None] | None = None) -> Batch:
         """batch: prompts/prompt_mask, already repeated n times (plus the per-sample fields with an env).
         req.segment_tokens (partial rollouts): the call decodes in segments, `before_segment` running before each
         (the async worker installs the newest published weights there: workers/partial.py). Under tensor
         parallelism the engine's ranks decode their batches together and each returns its own rows."""
+        if self.stream is not None:
+            return self._stream_generate(batch, req)
         if self.engine_group is None:
             return self._generate(batch, req, before_segment)
         t0 = time.perf_counter()
@@ -187,6 +201,22 @@ class RolloutComponent:
             timing["generate/unshard"] = t_unshard
         if getattr(self.engine, "refresh_s", None) is not None:  # rollout.own_weights: the layer-by-layer fill
             timing["generate/own_weights"] = self.engine.refresh_s
+        return out
+
+    def _stream_generate(self, batch: Batch, req: GenerateRequest) -> Batch:
+        """One call through the engine loop, once the engine holds req.min_weights_version: per token the version
+        that sampled it (the loop installs newer weights between decode rounds), per sample its first token's."""
+        params = self.sampling_params(batch, req)
+        t0 = time.perf_counter()
+        gen, versions = self.stream.generate(batch["prompts"], batch["prompt_mask"], params,
+                                             min_version=req.min_weights_version)
+        mask = gen.response_mask.long()
+        now = torch.full((len(batch),), self.engine.weights_version, dtype=torch.long)
+        first = torch.where(mask[:, 0].bool(), versions[:, 0], now) if versions.shape[1] else now
+        out = Batch({"responses": gen.responses.cpu(), "response_mask": mask.cpu(),
+                     "rollout_logprobs": gen.logprobs.float().cpu(), "token_versions": versions * mask,
+                     "weights_version": first.long()}, {"finish_reason": list(gen.finish_reasons)})
+        out.meta["timing"] = {"generate/rollout": time.perf_counter() - t0}
         return out
 
     def _generate_in_segments(self, batch: Batch, params: SamplingParams, segment_tokens: int,

@@ -37,7 +37,7 @@ def test_the_4gpu_modes_derive_their_plans_with_whole_groups_per_actor_rank(shap
 
 
 def test_a_split_the_host_lacks_is_refused_before_any_run():
-    with pytest.raises(SystemExit, match="does not split 2 GPUs; choose sync or one of \\['async'\\]"):
+    with pytest.raises(SystemExit, match="does not split 2 GPUs; choose sync or one of \\['async', 'asyncs'\\]"):
         ae.parse_args(["--gpus", "2", "--modes", "sync,async13"])
     assert ae.parse_args(["--gpus", "4", "--shape", "qwen2.5-7b"]).tag == "_4gpu_qwen2.5-7b"
 
@@ -91,3 +91,11 @@ def test_the_4_worker_cpu_smoke_runs_both_async_splits(tmp_path):
         assert sum(r["staleness_hist"].values()) == 3 * prompts * 4  # 3 measured steps of prompts × 4 samples
         assert set(r["pool_idle_frac"]) == {"train", "gen"} and "ratio_mean" in r["rollout_is"]
     assert "async22 {'actor': 2, 'rollout': 2}" in out.stdout and "one-step off-policy 2,478" in out.stdout
+
+
+def test_an_s_suffix_streams_the_split_and_nothing_else():
+    streamed, plain, sync = plan("async13s"), plan("async13"), plan("sync")
+    assert streamed.pipeline.stream and streamed.config.rollout.engine == "fast"
+    assert dict(streamed.world) == dict(plain.world) == {"actor": 3, "rollout": 1}
+    assert not plain.pipeline.stream and sync.pipeline is None
+    assert "async22s" in ae.parse_args(["--gpus", "4", "--modes", "sync,async22s"]).modes

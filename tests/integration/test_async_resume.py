@@ -62,12 +62,16 @@ def _killed_mid_step(out: Path, kill_after: int, *args: str) -> None:
     assert max(_train_steps(out)) == kill_after, (_train_steps(out), text[-2000:])  # killed before the next step
 
 
-@pytest.mark.parametrize("k,save_every,kill_after", [
-    (1, 2, 3),  # saved at step 2; step 3 logged, then killed in step 4: step 3's records are superseded
-    (2, 1, 2),  # saved at step 2, killed in step 3, with 3P groups (a whole epoch) queued or in flight
+STREAMED = ("rollout.engine=fast", "trainer.stream_rollouts=true")
+
+
+@pytest.mark.parametrize("k,save_every,kill_after,extra", [
+    (1, 2, 3, ()),  # saved at step 2; step 3 logged, then killed in step 4: step 3's records are superseded
+    (2, 1, 2, ()),  # saved at step 2, killed in step 3, with 3P groups (a whole epoch) queued or in flight
+    (2, 1, 2, STREAMED),  # the same with every call of the window in the rollout worker's one engine loop at once
 ])
-def test_killed_async_run_resumes_every_prompt_once(tmp_path, ray_local, k, save_every, kill_after):
-    args = (f"trainer.max_staleness={k}", f"trainer.save_every={save_every}")
+def test_killed_async_run_resumes_every_prompt_once(tmp_path, ray_local, k, save_every, kill_after, extra):
+    args = (f"trainer.max_staleness={k}", f"trainer.save_every={save_every}", *extra)
     _all_steps(train_run(CONFIG, tmp_path / "straight", *COMMON, *args))
     straight = trained_prompts(tmp_path / "straight")
 
