@@ -104,7 +104,9 @@ class _RayWorker(Worker):
             out = self.generate(batch, req)
         finally:
             gap, self._last_end = (0.0 if self._last_end is None else start - self._last_end), time.perf_counter()
-        out.meta["rollout_idle_s"] = gap  # how long this worker sat without work before the call (docs/async.md)
+        # how long this worker sat without work before the call (docs/async.md); streamed, calls overlap: the time
+        # its engine loop sat with nothing to run since the previous call returned
+        out.meta["rollout_idle_s"] = self.rollout.stream.take_idle_s() if self.streaming else gap
         return out
 
 

@@ -146,3 +146,19 @@ def test_a_failing_loop_fails_the_waiting_calls_and_the_later_ones() -> None:
         stream.generate(ids, mask, GREEDY)
     with pytest.raises(RuntimeError, match="stream failed earlier"):
         stream.generate(ids, mask, GREEDY)
+
+
+def test_per_sample_limits_and_stop_strings_as_a_call_of_their_own() -> None:
+    """Long-tailed limits (bench/longtail.py's seam): requests of one call finish in different harvests."""
+    model = tiny_model("qwen2")
+    ids, mask = left_padded([5, 2, 8, 3, 6])
+    limits = torch.tensor([2, 11, 4, 1, 7])
+    params = SamplingParams(max_new_tokens=11, temperature=0.0, max_new_tokens_per_sample=limits)
+    plain = engine(model, None, max_batch=2, sync_every=2)
+    stream = EngineStream(engine(model, None, max_batch=2, sync_every=2), install=lambda: None)
+    other = left_padded([4, 4], seed=9)
+    (out, _), (out2, _) = _threads(stream, [(ids, mask, params), (*other, GREEDY)])
+    _same(plain.generate(ids, mask, params), out)
+    _same(plain.generate(*other, GREEDY), out2)
+    assert out.response_mask.sum(1).tolist() == limits.tolist()
+    assert stream.take_idle_s() >= 0.0

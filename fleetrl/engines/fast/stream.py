@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -91,6 +92,7 @@ class EngineStream:
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
         self.stats = {"sessions": 0, "installs": 0, "calls": 0}
+        self._idle_s = 0.0  # seconds the engine thread waited with nothing it could run, since `take_idle_s`
 
     # ------------------------------------------------------------------------------------------ callers
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
@@ -110,6 +112,12 @@ class EngineStream:
         task = _Task(fn)
         self._submit(task)
         return task.result
+
+    def take_idle_s(self) -> float:
+        """Seconds the engine sat with nothing to run since the last call of this (an async rollout pool's idle)."""
+        with self._cv:
+            idle, self._idle_s = self._idle_s, 0.0
+        return idle
 
     def poke(self) -> None:
         """New weights were offered: an idle engine thread looks at its queue again (a call may wait for them)."""
@@ -135,15 +143,19 @@ class EngineStream:
         try:
             while True:
                 with self._cv:
+                    t0 = time.perf_counter()
                     while not self._queue:
                         self._cv.wait(WAIT_S)
+                    self._idle_s += time.perf_counter() - t0
                 self.install()
                 first = self._first_startable()
                 if isinstance(first, _Task):
                     self._run_task(first)
                 elif first is None or not self._session(live):
                     with self._cv:  # every queued call waits for weights not offered yet: wait for an offer
+                        t0 = time.perf_counter()
                         self._cv.wait(WAIT_S)
+                        self._idle_s += time.perf_counter() - t0
         except BaseException as err:  # every waiting caller gets the error; later ones too (`_submit`)
             with self._cv:
                 self._failed = err
@@ -240,8 +252,12 @@ class EngineStream:
             return
         n, width = len(call.rows), max(call.limits)
         e = self.engine
-        toks = torch.stack([call.tok[i][:width] for i in range(n)])
-        lps = torch.stack([call.lp[i][:width] for i in range(n)])
+        # each request's row is as wide as the widest limit harvested with it: pad to the call's widest
+        toks = torch.zeros(n, width, dtype=torch.long, device=call.tok[0].device)
+        lps = torch.zeros(n, width, dtype=torch.float32, device=call.tok[0].device)
+        for i in range(n):
+            k = min(width, len(call.tok[i]))
+            toks[i, :k], lps[i, :k] = call.tok[i][:k], call.lp[i][:k]
         stop = set(e._eos) | set(call.params.stop_token_ids)
         call.output = assemble_output(toks, lps, [call.counts[i] for i in range(n)], stop, call.params.stop_strings,
                                       e.tokenizer, call.rows[0].device)
