@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -46,8 +47,14 @@ class _RayWorker(Worker):
         super().__init__(ctx)
         self._last_end: float | None = None  # end of this worker's previous async generate call
         self._offered: tuple[list[Any], int] = ([], 0)  # the newest published weights (partial, streamed rollouts)
-        self.streaming = ctx.plan.pipeline is not None and ctx.plan.pipeline.stream and self.rollout is not None
-        if self.streaming:  # trainer.stream_rollouts: one engine loop serves this worker's calls
+        self._offer_lock = threading.Lock()  # offers come from publish and from every streamed call's thread
+        self._fetched: tuple[int, Any] = (0, None)  # streamed: (version, its state dict on the host, or the error)
+        # trainer.stream_rollouts: one engine loop serves this worker's calls, started once `build` made the engine
+        self.streaming = ctx.plan.pipeline is not None and ctx.plan.pipeline.stream and "rollout" in ctx.roles
+
+    def build(self) -> None:
+        super().build()
+        if self.streaming:
             self.rollout.start_stream(self.install_newest)
 
     # -------------------------------------------- async weight path (trainer.mode=async), through the object store
@@ -73,14 +80,48 @@ class _RayWorker(Worker):
         """Partial and streamed rollouts: notes the newest published weights without installing them. It runs outside
         the serial group, so it does not wait behind the generation; that generation installs them at its next
         segment, or the engine loop between two decode rounds (`install_newest`), and later calls before they start."""
-        if version > self._offered[1]:
+        with self._offer_lock:  # check and set together: a late offer of an older version never replaces a newer one
+            if version <= self._offered[1]:
+                return
             self._offered = (weights, version)  # one assignment: the serial thread reads the pair whole
-            if self.streaming:
-                self.rollout.stream.poke()  # a call waiting for this version may start
+        if self.streaming and self.rollout is not None and self.rollout.stream is not None:
+            self.rollout.stream.poke(version)  # known to be coming: a call tagged with it waits, not fails
+            # fetched beside the decoding, so the loop's install only copies (a 16 GB pull inside it would stop
+            # every running sample for the transfer)
+            threading.Thread(target=self._fetch, args=(weights, version), daemon=True,
+                             name="fleetrl-weights-fetch").start()
+
+    def stream_stats(self) -> dict[str, float]:
+        """trainer.stream_rollouts: this worker's engine loop so far (sessions, calls, in-flight installs); {} when
+        its calls are not streamed. A diagnostic the bench and tests read."""
+        return dict(self.rollout.stream.stats) if self.streaming and self.rollout.stream is not None else {}
+
+    def _fetch(self, weights: list[Any], version: int) -> None:
+        try:
+            state = ray.get(weights[0]) if weights else None
+        except Exception as err:  # noqa: BLE001 (raised in the engine loop at its next install: its calls fail)
+            state = err
+        with self._offer_lock:
+            if version > self._fetched[0]:
+                self._fetched = (version, state)
+        self.rollout.stream.poke(version)  # the loop installs it at its next round
 
     def install_newest(self) -> None:
-        weights, version = self._offered
-        self.load_published(weights, version)
+        """The newest weights offered: streamed, those already fetched (never waits for a transfer in the loop);
+        otherwise (partial rollouts, between segments) fetched and installed now."""
+        if not self.streaming:
+            weights, version = self._offered
+            self.load_published(weights, version)
+            return
+        with self._offer_lock:
+            version, state = self._fetched
+        if isinstance(state, Exception):
+            raise RuntimeError(f"fetching weights version {version} from the object store failed: {state}") from state
+        if state is not None and self.weights_version() < version:
+            self.install_weights(state, version)
+            with self._offer_lock:
+                if self._fetched[0] == version:
+                    self._fetched = (version, None)  # installed: the host copy can go
 
     # -------------------------------------------- policy check across pools (cluster/weight_sync.py probe_gaps)
     def put_sync_probe(self, version: int) -> list[Any]:

@@ -5,7 +5,10 @@ phase, with stacks dumped; a dead worker is a WorkerLostError. Either is recover
 
 A worker runs its calls one after another (the rollout's serial concurrency group), so a call's deadline counts
 from when the worker finished its previous call (or from submission, whichever is later), not from submission:
-a call queued behind k others is not late for waiting.
+a call queued behind k others is not late for waiting. With trainer.stream_rollouts the calls run side by side in
+the worker's one engine loop: the same rule then counts from the last call that finished, which is lenient (a call
+waiting for slots is not late), while the heartbeat, which the loop moves at every decode round, still finds a
+frozen worker; `busy_s` then sums overlapping calls.
 """
 from __future__ import annotations
 

@@ -31,8 +31,8 @@ class AsyncPlan:
     """trainer.partial_rollouts: new tokens per sample per segment of a generate call (workers/partial.py); the
     rollout worker installs the newest published weights between segments. None = partial rollouts off."""
     stream_calls: int = 0
-    """trainer.stream_rollouts: generate calls one rollout worker may hold at once (the window's chunks on it, plus
-    two for a weights load and a validation call), all served by its one engine loop (engines/fast/stream.py); its
+    """trainer.stream_rollouts: generate calls one rollout worker may hold at once (the window's chunks, all of
+    which one worker may hold under stale=drop, plus two for a weights load and a validation call), all served by its one engine loop (engines/fast/stream.py); its
     serial concurrency group is that wide. 0 = streaming off: calls run one after another."""
 
     @property
@@ -79,7 +79,7 @@ def derive_async(cfg: RunConfig, roles: Mapping[str, str], rollout_world: int) -
     return AsyncPlan(max_staleness=t.max_staleness, stale=t.stale, groups_per_step=prompts, chunk_groups=chunk,
                      window_groups=(t.max_staleness + 1) * prompts,
                      max_chunks_per_step=per_step * (ds.max_rounds if ds.enabled else 1),
-                     segment_tokens=_segment_tokens(cfg), stream_calls=_stream_calls(cfg, chunk, rollout_world))
+                     segment_tokens=_segment_tokens(cfg), stream_calls=_stream_calls(cfg, chunk))
 
 
 def _segment_tokens(cfg: RunConfig) -> int | None:
@@ -104,7 +104,7 @@ def _segment_tokens(cfg: RunConfig) -> int | None:
     return seg
 
 
-def _stream_calls(cfg: RunConfig, chunk: int, rollout_world: int) -> int:
+def _stream_calls(cfg: RunConfig, chunk: int) -> int:
     """trainer.stream_rollouts: the calls one rollout worker may hold (0 = off); ConfigError where it cannot run."""
     t, r = cfg.trainer, cfg.rollout
     if not t.stream_rollouts:
@@ -119,8 +119,9 @@ def _stream_calls(cfg: RunConfig, chunk: int, rollout_world: int) -> int:
     if r.env is not None:
         raise ConfigError("trainer.stream_rollouts=true streams single-turn generations; rollout.env runs multi-turn "
                           "episodes. Set trainer.stream_rollouts=false or remove rollout.env")
-    window_chunks = (t.max_staleness + 1) * (cfg.data.prompts_per_step // chunk)
-    return -(-window_chunks // rollout_world) + 2
+    # All of the window's chunks may sit on one worker: chunks go round-robin, but under stale=drop a slow worker
+    # keeps its chunks while the others' are taken and replaced (threads waiting in the loop cost nothing).
+    return (t.max_staleness + 1) * (cfg.data.prompts_per_step // chunk) + 2
 
 
 def _default_chunk(prompts: int, world: int) -> int:

@@ -85,8 +85,8 @@ def test_bad_values_name_the_key(override, match):
 def test_streamed_rollouts_size_the_loop_and_refuse_what_they_cannot_stream():
     p = _plan(*SPLIT, "trainer.mode=async", "trainer.max_staleness=2", "trainer.stream_rollouts=true",
               "rollout.engine=fast")
-    # the window's 18 groups are 6 chunks of 3, 3 on each of the 2 rollout workers, plus a load and a validation
-    assert p.pipeline.stream and p.pipeline.stream_calls == 3 + 2
+    # the window's 18 groups are 6 chunks of 3, any of which one worker may hold (drop), plus a load and a validation
+    assert p.pipeline.stream and p.pipeline.stream_calls == 6 + 2
     assert p.rollout.max_batch == 18 * 2 // 2  # a worker's share of the window's samples
     assert not _plan(*SPLIT, "trainer.mode=async").pipeline.stream
     for overrides, match in [

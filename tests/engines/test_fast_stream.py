@@ -69,6 +69,9 @@ def test_another_sampler_setting_waits_and_a_call_waits_for_its_weights() -> Non
     stream = EngineStream(eng, install=install)
     ids, mask = left_padded([4, 6, 3])
     hot = SamplingParams(max_new_tokens=8, temperature=1.1, seed=2)
+    with pytest.raises(RuntimeError, match="needs weights version 1, but the newest offered .* is 0"):
+        stream.generate(ids, mask, GREEDY, min_version=1)  # nothing offered: it would wait forever
+    stream.poke(1)  # offered, still on its way (the worker fetches it beside the decoding)
     waiting: list = []
     t = threading.Thread(target=lambda: waiting.append(stream.generate(ids, mask, GREEDY, min_version=1)))
     t.start()
@@ -76,8 +79,8 @@ def test_another_sampler_setting_waits_and_a_call_waits_for_its_weights() -> Non
     _same(plain.generate(ids, mask, GREEDY), out_greedy)
     torch.testing.assert_close(out_hot.logprobs, training_logprobs(model, ids, mask, out_hot, 1.1), atol=1e-5, rtol=0)
     assert not waiting, "version 1 is not offered yet"
-    offered[0] = 1
-    stream.poke()
+    offered[0] = 1  # arrived
+    stream.poke(1)
     t.join(30)
     out, versions = waiting[0]
     _same(plain.generate(ids, mask, GREEDY), out)
@@ -124,7 +127,7 @@ def test_weights_installed_in_flight_keep_the_caches_and_tag_each_token() -> Non
     stream = EngineStream(eng, install=install)
     ids, mask = left_padded([5, 2, 8, 3])
     out, versions = stream.generate(ids, mask, SamplingParams(max_new_tokens=12, temperature=0.0))
-    assert stream.stats["installs"] == 1
+    assert stream.stats["installs"] == stream.stats["in_flight_installs"] == 1
     for row in range(len(ids)):
         v = versions[row]
         switch = int((v == 0).sum())

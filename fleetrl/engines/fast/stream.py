@@ -63,8 +63,6 @@ class _Call:
     lp: dict[int, torch.Tensor] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)
     switches: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # index -> [(first token, version)]
-    output: GenerationOutput | None = None
-    token_versions: torch.Tensor | None = None
     error: BaseException | None = None
 
 
@@ -91,19 +89,27 @@ class EngineStream:
         self._queue: deque[_Call | _Task] = deque()
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
-        self.stats = {"sessions": 0, "installs": 0, "calls": 0}
+        self.stats = {"sessions": 0, "calls": 0, "installs": 0, "in_flight_installs": 0}
         self._idle_s = 0.0  # seconds the engine thread waited with nothing it could run, since `take_idle_s`
+        self._offered = 0  # the newest weights version offered to this worker (`poke`)
+        self._poked = False  # an offer since the engine thread last looked (so a wait never misses one)
 
     # ------------------------------------------------------------------------------------------ callers
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                  min_version: int = 0) -> tuple[GenerationOutput, torch.Tensor]:
         """One call's samples through the stream, once the engine holds weights version >= min_version ->
         (output, token_versions [B, R] long: the version that sampled each token, 0 past a response's end)."""
+        if len(prompts) == 0:
+            raise ValueError("EngineStream.generate: a call needs at least one prompt")
+        with self._cv:
+            known = max(self._offered, self.engine.weights_version)
+        if min_version > known:  # as the one-call path says: nothing will ever bring the engine there
+            raise RuntimeError(f"the call needs weights version {min_version}, but the newest offered to this rollout "
+                               f"worker is {known}: weight sync did not arrive")
         rows = self.engine._unpad(prompts, prompt_mask, params)
         call = _Call(rows, response_limits(params, len(rows)).tolist(), params, min_version)
         self._submit(call)
-        assert call.output is not None and call.token_versions is not None
-        return call.output, call.token_versions
+        return self._assemble(call)
 
     def exclusive(self, fn: Callable[[], Any]) -> Any:
         """fn() on the engine thread while no sample runs (FIFO with the calls); from the engine thread itself, now."""
@@ -119,9 +125,12 @@ class EngineStream:
             idle, self._idle_s = self._idle_s, 0.0
         return idle
 
-    def poke(self) -> None:
-        """New weights were offered: an idle engine thread looks at its queue again (a call may wait for them)."""
+    def poke(self, version: int = 0) -> None:
+        """Weights `version` were offered (or have arrived): a call tagged with it may wait for it, and an idle
+        engine thread looks at its queue again."""
         with self._cv:
+            self._offered = max(self._offered, version)
+            self._poked = True
             self._cv.notify_all()
 
     def _submit(self, item: _Call | _Task) -> None:
@@ -147,14 +156,16 @@ class EngineStream:
                     while not self._queue:
                         self._cv.wait(WAIT_S)
                     self._idle_s += time.perf_counter() - t0
-                self.install()
+                self._install()
                 first = self._first_startable()
                 if isinstance(first, _Task):
                     self._run_task(first)
                 elif first is None or not self._session(live):
-                    with self._cv:  # every queued call waits for weights not offered yet: wait for an offer
+                    with self._cv:  # every queued call waits for weights not arrived yet: wait for them
                         t0 = time.perf_counter()
-                        self._cv.wait(WAIT_S)
+                        if not self._poked:
+                            self._cv.wait(WAIT_S)
+                        self._poked = False
                         self._idle_s += time.perf_counter() - t0
         except BaseException as err:  # every waiting caller gets the error; later ones too (`_submit`)
             with self._cv:
@@ -164,6 +175,14 @@ class EngineStream:
             for item in waiting:
                 item.error = err
                 item.done.set()
+
+    def _install(self) -> bool:
+        """The newest arrived weights into the engine (`install`); whether the version moved."""
+        before = self.engine.weights_version
+        self.install()
+        moved = self.engine.weights_version != before
+        self.stats["installs"] += moved
+        return moved
 
     def _first_startable(self) -> _Call | _Task | None:
         """The first queued task, or call whose weights the engine holds (calls waiting for newer ones are passed)."""
@@ -176,7 +195,7 @@ class EngineStream:
             self._queue.remove(task)
         try:
             task.result = task.fn()
-        except Exception as err:  # the caller's error, not the stream's
+        except BaseException as err:  # the caller's error, not the stream's; its caller is woken either way
             task.error = err
         task.done.set()
 
@@ -204,12 +223,22 @@ class EngineStream:
         """Runs calls of one sampler setting until no sample is left and no queued call may join; False when none
         could start (the head call waits for weights not offered yet)."""
         e = self.engine
-        self.install()
+        self._install()
         sampler, calls = self._take(None, e.weights_version)
         if not calls:
             return False
+        live.extend(calls)  # from here on an error reaches their callers (`_serve`)
         head = calls[0]
         self.stats["sessions"] += 1
+        try:
+            self._run_session(calls, sampler, head, live)
+        finally:
+            if not (e.keep_cast or e.owns):
+                e._fwd.shadow = None  # a per-call cast copy (a CPU's bf16 decode) is freed as after a call
+        return True
+
+    def _run_session(self, calls: list[_Call], sampler: tuple | None, head: _Call, live: list[_Call]) -> None:
+        e = self.engine
         e._prepare_weights()
         buf = e._ready(e.max_batch, e.max_seq_len)
         key = e._configure(buf, head.params)
@@ -219,21 +248,19 @@ class EngineStream:
         pending: deque[int] = deque()
         while calls or pending or loop.running:
             for call in calls:
-                live.append(call)
+                if call not in live:
+                    live.append(call)
                 self._enqueue(call, pending, loop)
             for rid, count, tok, lp in loop.round(pending):
                 self._finish_request(loop, rid, count, tok, lp, live)
-            before = e.weights_version
-            self.install()  # in flight: the running samples continue on the newest weights
-            if e.weights_version != before:
+            if self._install():  # in flight: the running samples continue on the newest weights
                 e._prepare_weights()
-                self.stats["installs"] += 1
+                self.stats["in_flight_installs"] += 1
                 for slot, rid in loop.running.items():
                     call, index = loop.owner[rid]
                     call.switches[index].append((loop.sampled[slot], e.weights_version))
             loop.compact_if_idle(pending)
             calls = self._take(sampler, e.weights_version)[1]
-        return True
 
     def _enqueue(self, call: _Call, pending: deque[int], loop: "_Loop") -> None:
         call.left = len(call.rows)
@@ -245,11 +272,16 @@ class EngineStream:
 
     def _finish_request(self, loop: "_Loop", rid: int, count: int, tok: torch.Tensor, lp: torch.Tensor,
                         live: list[_Call]) -> None:
+        """Records a finished request; its call's thread assembles the output once the last one is in (no device
+        sync or tokenizer work on the engine thread, whose decoding the other calls wait on)."""
         call, index = loop.owner.pop(rid)
         call.tok[index], call.lp[index], call.counts[index] = tok, lp, count
         call.left -= 1
-        if call.left:
-            return
+        if not call.left:
+            live.remove(call)
+            call.done.set()
+
+    def _assemble(self, call: _Call) -> tuple[GenerationOutput, torch.Tensor]:
         n, width = len(call.rows), max(call.limits)
         e = self.engine
         # each request's row is as wide as the widest limit harvested with it: pad to the call's widest
@@ -259,11 +291,9 @@ class EngineStream:
             k = min(width, len(call.tok[i]))
             toks[i, :k], lps[i, :k] = call.tok[i][:k], call.lp[i][:k]
         stop = set(e._eos) | set(call.params.stop_token_ids)
-        call.output = assemble_output(toks, lps, [call.counts[i] for i in range(n)], stop, call.params.stop_strings,
-                                      e.tokenizer, call.rows[0].device)
-        call.token_versions = _versions(call, call.output.responses.shape[1])
-        live.remove(call)
-        call.done.set()
+        out = assemble_output(toks, lps, [call.counts[i] for i in range(n)], stop, call.params.stop_strings,
+                              e.tokenizer, call.rows[0].device)
+        return out, _versions(call, out.responses.shape[1])
 
 
 def _versions(call: _Call, width: int) -> torch.Tensor:
