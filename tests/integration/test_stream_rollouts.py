@@ -35,6 +35,7 @@ def test_grpo_learns_with_staleness_two_and_streamed_rollouts(tmp_path, ray_loca
     # groups: four calls a step wait in the rollout worker's loop together.
     t0 = time.monotonic()
     out = tmp_path / "learn"
+    out.mkdir()
     cfg = load_config("examples/quickstart.yaml", [*SPLIT, *STREAM, "trainer.total_steps=80", "trainer.val_every=20",
                                                    "trainer.max_staleness=2", "trainer.chunk_groups=8",
                                                    "tracking.console=false", "tracking.progress=false",
