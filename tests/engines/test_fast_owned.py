@@ -29,6 +29,16 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
 
 
+def _compare(reference: FastRolloutEngine, engine: FastRolloutEngine, ids: torch.Tensor, mask: torch.Tensor) -> list:
+    """Every call of `_calls` on both engines: the same outputs -> `engine`'s."""
+    outs = []
+    for params in _calls(eos=7):
+        a, b = reference.generate(ids, mask, params), engine.generate(ids, mask, params)
+        _same(a, b)
+        outs.append(b)
+    return outs
+
+
 def _step(model: torch.nn.Module, ids: torch.Tensor, responses: torch.Tensor) -> None:
     """One SGD step on the model (the same on every rank that runs it)."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
@@ -55,11 +65,7 @@ def test_owned_copy_decodes_as_the_models_own_tensors(arch: str, fuse: bool, lor
         _lora(model)
     plain, owned = _pair(model, fuse_projections=fuse)
     ids, mask = _prompts()
-    before = []
-    for params in _calls(eos=7):
-        a, b = plain.generate(ids, mask, params), owned.generate(ids, mask, params)
-        _same(a, b)
-        before.append(b)
+    before = _compare(plain, owned, ids, mask)
     # the copy is the engine's own memory: no tensor it decodes with is one of the model's
     model_ptrs = {p.data_ptr() for p in model.parameters()}
     assert not any(t.data_ptr() in model_ptrs for t in owned._fwd.owned.weights.tensors())
@@ -130,13 +136,9 @@ def _check_sharded_model(rank: int, lora: bool) -> None:
     one = FastRolloutEngine(plain, CharTokenizer(None), **common)
     tp = FastRolloutEngine(sharded, CharTokenizer(None), tp_group=dist.group.WORLD, own_weights=True, **common)
     ids, mask = _prompts()
-    before = []
-    for params in _calls(eos=7):
-        a, b = one.generate(ids, mask, params), tp.generate(ids, mask, params)
-        _same(a, b)
-        before.append(b)
-        assert all(isinstance(p, DTensor) for p in sharded.parameters()), "the model stays sharded"
-        assert peak_gathered[0] == 1, "one FSDP2 group gathered at a time"
+    before = _compare(one, tp, ids, mask)
+    assert all(isinstance(p, DTensor) for p in sharded.parameters()), "the model stays sharded"
+    assert peak_gathered[0] == 1, "one FSDP2 group gathered at a time"
     # this rank's copy: half of each projection (q/k/v, gate/up fused; o, down), the embedding and norms whole
     lw, whole = tp._fwd.owned._own.layers[0], plain.model.layers[0]
     assert lw.wo.shape == (whole.self_attn.o_proj.weight.shape[0], whole.self_attn.o_proj.weight.shape[1] // 2)
