@@ -32,8 +32,9 @@ class AsyncPlan:
     rollout worker installs the newest published weights between segments. None = partial rollouts off."""
     stream_calls: int = 0
     """trainer.stream_rollouts: generate calls one rollout worker may hold at once (the window's chunks, all of
-    which one worker may hold under stale=drop, plus two for a weights load and a validation call), all served by its one engine loop (engines/fast/stream.py); its
-    serial concurrency group is that wide. 0 = streaming off: calls run one after another."""
+    which one worker may hold under stale=drop, plus two for a weights load and a validation call), all served by
+    its one engine loop (engines/fast/stream.py); its serial concurrency group is that wide. 0 = streaming off:
+    calls run one after another."""
 
     @property
     def stream(self) -> bool:

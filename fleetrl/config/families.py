@@ -40,10 +40,10 @@ def family_problem(model_type: str | None, *, engine: str, forward: str) -> str 
         return None
     if engine == "fast":
         return (f"rollout.engine=fast runs the decoder families {', '.join(SUPPORTED_MODEL_TYPES)}; this model's "
-                f"model_type is {model_type!r}{family_gap(model_type)}: set rollout.engine=vllm (vLLM's kernels, its own copy of the weights) "
-                "or rollout.engine=hf (any architecture; 14.8x slower decode than fast for Qwen3-8B on an H200)")
+                f"model_type is {model_type!r}{family_gap(model_type)}: set rollout.engine=vllm (vLLM's kernels, its "
+                "own copy of the weights) or rollout.engine=hf (any architecture; 14.8x slower decode than fast for Qwen3-8B on an H200)")
     if forward == "native":
         return (f"actor.forward=native runs the decoder families {', '.join(SUPPORTED_MODEL_TYPES)}; this model's "
-                f"model_type is {model_type!r}{family_gap(model_type)}: set actor.forward=hf (HF's modelling code; the 0.5B GPU update ran "
-                "1.5x slower than native)")
+                f"model_type is {model_type!r}{family_gap(model_type)}: set actor.forward=hf (HF's modelling code; "
+                "the 0.5B GPU update ran 1.5x slower than native)")
     return None

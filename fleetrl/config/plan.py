@@ -344,9 +344,10 @@ def _check_memory_fraction(cfg: RunConfig, rollout_on_gpu: bool) -> None:
     if f is None:
         return
     if r.engine != "fast":
-        hint = "rollout.vllm.gpu_memory_utilization" if r.engine == "vllm" else "nothing: it holds no KV cache of a set size"
-        raise ConfigError(f"rollout.gpu_memory_fraction={f} bounds the fast engine's KV cache; rollout.engine={r.engine} "
-                          f"takes {hint}. Remove it or set rollout.engine=fast")
+        hint = ("rollout.vllm.gpu_memory_utilization" if r.engine == "vllm" else
+                "nothing: it holds no KV cache of a set size")
+        raise ConfigError(f"rollout.gpu_memory_fraction={f} bounds the fast engine's KV cache; "
+                          f"rollout.engine={r.engine} takes {hint}. Remove it or set rollout.engine=fast")
     if not rollout_on_gpu:
         raise ConfigError(f"rollout.gpu_memory_fraction={f} is a share of a GPU's memory, and the rollout pool "
                           f"({cfg.cluster.roles.get('rollout', 'main')}) has no GPUs: remove it, or give the pool "

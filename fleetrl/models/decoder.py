@@ -58,7 +58,8 @@ def check_supported(model: nn.Module) -> DecoderSpec:
     model_type = getattr(cfg, "model_type", type(model).__name__)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise NativeForwardError(f"actor.forward=native implements the decoder families {list(SUPPORTED_MODEL_TYPES)}; "
-                                 f"this model's type is {model_type!r}{family_gap(str(model_type))}. Set actor.forward=hf (HF modelling code: "
+                                 f"this model's type is {model_type!r}{family_gap(str(model_type))}. Set "
+                                 "actor.forward=hf (HF modelling code: "
                                  "the update ran 1.5x slower than native on the 0.5B GPU benchmark, bench/RESULTS.md)")
     try:
         spec = read_spec(model)

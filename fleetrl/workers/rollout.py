@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fleetrl.batch import Batch
-from fleetrl.engines.protocol import RolloutEngine, SamplingParams
+from fleetrl.engines.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from fleetrl.engines.sync_check import SyncProbe, sample_probe
 from fleetrl.models.hf import load_run_tokenizer, release_freed_memory
 from fleetrl.workers.context import WorkerContext, dtype_of
@@ -90,17 +90,26 @@ def frees_cache(ctx: WorkerContext, engine: RolloutEngine) -> bool:
     round"; re-allocating costs ~1 ms). An engine that owns its weights (rollout.own_weights) frees too: its copy
     is refilled at every step anyway, and every rank of the pool then frees, refills and gathers at the same calls
     (the refill's FSDP2 gathers are collectives of the whole pool). On a GPU, freeing otherwise costs the graphs'
-    capture at the next call, so auto frees only a cache over CACHE_SHARE of the card: Qwen3-8B colocated with 128 slots of 4,256 tokens holds 75 GB, and
-    its update ran out of memory on an H200 beside it."""
+    capture at the next call, so auto frees only a cache over CACHE_SHARE of the card: Qwen3-8B colocated with 128
+    slots of 4,256 tokens holds 75 GB, and its update ran out of memory on an H200 beside it."""
     r = ctx.cfg.rollout
     if r.engine != "fast" or not ctx.plan.rollout_colocated or r.free_cache is False:
         return False
     device = ctx.device()
-    # An owned copy of the weights (rollout.own_weights) is refilled at every step anyway (the weights change at
-    # each update), so freeing it with the cache costs an allocation: auto frees it (72B at TP 4: ~40 GB a GPU).
     if r.free_cache is True or device.type == "cpu" or ctx.plan.rollout_owns_weights:
         return True
     return engine.cache_bytes() > CACHE_SHARE * torch.cuda.get_device_properties(device).total_memory
+
+
+def versioned_batch(gen: GenerationOutput, versions: torch.Tensor, now: int, **extra: torch.Tensor) -> Batch:
+    """A generation whose tokens record the weights version that sampled each (`token_versions` [B, R], 0 past a
+    response's end) as a Batch; a sample's `weights_version` is its first token's (its oldest), an empty response's
+    `now`, the engine's version at the end of the call."""
+    now_t = torch.full((len(gen.responses),), now, dtype=torch.long)
+    first = torch.where(gen.response_mask[:, 0].bool(), versions[:, 0], now_t) if versions.shape[1] else now_t
+    return Batch({"responses": gen.responses, "response_mask": gen.response_mask.long(),
+                  "rollout_logprobs": gen.logprobs.float(), "token_versions": versions,
+                  "weights_version": first.long(), **extra}, {"finish_reason": list(gen.finish_reasons)})
 
 
 class RolloutComponent:
@@ -199,7 +208,7 @@ class RolloutComponent:
         timing["generate/rollout"] = time.perf_counter() - t0
         if t_unshard is not None:  # FSDP2: the gather of every layer before decoding
             timing["generate/unshard"] = t_unshard
-        if getattr(self.engine, "refresh_s", None) is not None:  # rollout.own_weights: the layer-by-layer fill
+        if self.ctx.plan.rollout_owns_weights:  # the engine's layer-by-layer fill of its own copy
             timing["generate/own_weights"] = self.engine.refresh_s
         return out
 
@@ -210,12 +219,7 @@ class RolloutComponent:
         t0 = time.perf_counter()
         gen, versions = self.stream.generate(batch["prompts"], batch["prompt_mask"], params,
                                              min_version=req.min_weights_version)
-        mask = gen.response_mask.long()
-        now = torch.full((len(batch),), self.engine.weights_version, dtype=torch.long)
-        first = torch.where(mask[:, 0].bool(), versions[:, 0], now) if versions.shape[1] else now
-        out = Batch({"responses": gen.responses.cpu(), "response_mask": mask.cpu(),
-                     "rollout_logprobs": gen.logprobs.float().cpu(), "token_versions": versions * mask,
-                     "weights_version": first.long()}, {"finish_reason": list(gen.finish_reasons)})
+        out = versioned_batch(gen, versions, self.engine.weights_version)
         out.meta["timing"] = {"generate/rollout": time.perf_counter() - t0}
         return out
 
@@ -233,12 +237,7 @@ class RolloutComponent:
         gen, versions, segments = generate_in_segments(self.engine, batch["prompts"], batch["prompt_mask"], params,
                                                        segment_tokens, self.tokenizer.pad_token_id, before_segment,
                                                        stop_end, log)
-        now = torch.full((len(batch),), self.engine.weights_version, dtype=torch.long)
-        first = torch.where(gen.response_mask[:, 0].bool(), versions[:, 0], now) if versions.shape[1] else now
-        return Batch({"responses": gen.responses, "response_mask": gen.response_mask.long(),
-                      "rollout_logprobs": gen.logprobs.float(), "token_versions": versions,
-                      "weights_version": first.long(), "segments": segments},
-                     {"finish_reason": list(gen.finish_reasons)})
+        return versioned_batch(gen, versions, self.engine.weights_version, segments=segments)
 
     def engine_view(self) -> ContextManager:
         """The weights the engine decodes with: the model's, or with FLEETRL_FAULT_SYNC_SKIP some stale ones."""

@@ -293,7 +293,7 @@ class EngineStream:
         stop = set(e._eos) | set(call.params.stop_token_ids)
         out = assemble_output(toks, lps, [call.counts[i] for i in range(n)], stop, call.params.stop_strings,
                               e.tokenizer, call.rows[0].device)
-        return out, _versions(call, out.responses.shape[1])
+        return out, _versions(call, out.responses.shape[1]) * out.response_mask
 
 
 def _versions(call: _Call, width: int) -> torch.Tensor:
