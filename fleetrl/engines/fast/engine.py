@@ -34,7 +34,6 @@ call and the sampled tokens at its end (one small all-gather each).
 """
 from __future__ import annotations
 
-import heapq
 import time
 from collections import deque
 from typing import Literal, Mapping
@@ -43,7 +42,6 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function  # names the phases in a profile (bench/decode.py --longtail --profile)
 
-from fleetrl import heartbeat
 from fleetrl.batch import upload
 from fleetrl.engines.fast.arch import (
     DecoderSpec,
@@ -52,6 +50,7 @@ from fleetrl.engines.fast.arch import (
     read_spec,
     weight_fingerprint,
 )
+from fleetrl.engines.fast.batching import SlotLoop
 from fleetrl.engines.fast.forward import DecoderForward
 from fleetrl.engines.fast.graphs import DecodeGraphs, batch_buckets, bucket_for
 from fleetrl.engines.fast.postprocess import assemble_output
@@ -342,55 +341,20 @@ class FastRolloutEngine:
     # ------------------------------------------------------------------------------------- scheduling
     def _run(self, buf: SlotBuffers, rows: list[torch.Tensor], limits: list[int],
              key: SamplerKey) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Continuous batching over all requests, request i decoding at most limits[i] tokens -> (tokens
-        [B, max(limits)], logprobs [B, max(limits)], counts)."""
+        """Continuous batching over all requests (batching.py), request i decoding at most limits[i] tokens ->
+        (tokens [B, max(limits)], logprobs [B, max(limits)], counts)."""
         max_new = max(limits)
-        free = list(range(buf.slots))
-        buckets = [b for b in self._buckets if b < buf.slots] + [buf.slots]
-        pending = deque(range(len(rows)))
-        running: dict[int, int] = {}           # slot -> request
-        length: dict[int, int] = {}            # slot -> prompt length
-        sampled: dict[int, int] = {}           # slot -> tokens sampled (exact while live, capped at its limit)
+        loop = SlotLoop(self, buf, key)
+        pending = deque(loop.new_request(row, limits[i], i) for i, row in enumerate(rows))  # id i keys request i
         parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
         counts = [0] * len(rows)
-        buf.done.fill_(True)
-        ahead = 0  # decode steps of the current round already queued, before the host's work at the last sync
-        while pending or running:
-            heartbeat.beat()
-            admit = [(heapq.heappop(free), pending.popleft()) for _ in range(min(len(free), len(pending)))]
-            if admit:
-                with record_function("engine.prefill"):
-                    self._prefill(buf, rows, admit, limits, key)
-                for slot, req in admit:
-                    running[slot], length[slot], sampled[slot] = req, len(rows[req]), 1
-            self._decode_round(self.sync_every - ahead, running, length, sampled, limits, buckets, key)
-            nb = bucket_for(max(running) + 1, buckets)
-            # as Python lists: indexing the tensor per slot cost ~8 µs each, 2 ms per sync at 256 slots while the
-            # GPU waited for the next step (profiled on an H200: 16 syncs, ~35 ms of a 0.41 s generate call)
-            with record_function("engine.sync"):
-                done, count = torch.stack((buf.done[:nb].long(), buf.count[:nb])).cpu().tolist()
-            self.stats["syncs"] += 1
-            finished = {s: running.pop(s) for s in list(running) if done[s]}
-            # The host now harvests, compacts and prefills, ~10 ms of launches for a prefill at 0.5B, while the GPU
-            # would idle after the sync drained it. So the live slots first decode half a round; that work queues
-            # behind it, and admitted samples join for the other half (bench/RESULTS.md, "GPU speed, eighth round").
-            # A finished slot's rows stay intact until then: it is done, and its followers read its prompt rows
-            # until `release`, which queues after these steps too. In the tail (no prompt waits) these steps run
-            # in the bucket from before the compaction: on CPU ~5% more rows computed; on the GPU the long-tailed
-            # call got faster as a whole (bench/RESULTS.md, ninth round).
-            ahead = self._decode_round(self.sync_every // 2, running, length, sampled, limits, buckets, key) \
-                if finished and running else 0
-            if finished:
-                with record_function("engine.harvest"):
-                    index = device_index(list(finished), self.device)
-                    buf.release(index)  # before a prefill or a compaction reuses their rows
-                    parts.append((list(finished.values()), buf.out_tok[index, :max_new], buf.out_lp[index, :max_new]))
-                    for s, req in finished.items():
-                        counts[req] = count[s]
-                        heapq.heappush(free, s)
-            if running and not pending:  # nothing to refill the freed slots with: shrink the decode batch instead
-                with record_function("engine.compact"):
-                    self._compact(buf, running, length, sampled, free, buckets)
+        while pending or loop.running:
+            reqs, finished_counts, toks, lps = loop.round(pending, width=max_new)
+            if reqs:
+                parts.append((reqs, toks, lps))
+                for req, c in zip(reqs, finished_counts):
+                    counts[req] = c
+            loop.compact_if_idle(pending)
         reqs = [r for p in parts for r in p[0]]
         order = torch.empty(len(rows), dtype=torch.long)
         order[torch.tensor(reqs)] = torch.arange(len(rows))

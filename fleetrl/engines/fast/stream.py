@@ -6,8 +6,8 @@ samples decode in an otherwise empty engine, so generation costs ~4,096 sequenti
 its batch, and no split of the GPUs gets async past the synchronous step (docs/async.md, "What bounds async").
 Here the next calls' samples take the slots the finishing ones free, so the engine stays full.
 
-How: one engine thread per rollout worker runs the engine's continuous-batching loop (`FastRolloutEngine._run`'s
-steps: admit, decode a round, read the done flags, harvest, compact) with its waiting queue fed by every call; a
+How: one engine thread per rollout worker runs the engine's continuous-batching loop (batching.py, which
+`FastRolloutEngine._run` runs over one call) with its waiting queue fed by every call; a
 call's thread waits until its last sample finishes and gets its own `GenerationOutput`. Between two decode rounds
 the thread installs weights published since (`install`: the worker's load of the newest offered version, in place,
 then the engine's fused and cast copies refreshed in place, so captured CUDA graphs stay valid) and the running
@@ -25,7 +25,6 @@ which token depends on timing, so a streamed run is not reproducible number for 
 """
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 from collections import deque
@@ -34,10 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from fleetrl import heartbeat
-from fleetrl.engines.fast.graphs import bucket_for
+from fleetrl.engines.fast.batching import SlotLoop
 from fleetrl.engines.fast.postprocess import assemble_output
-from fleetrl.engines.fast.state import SlotBuffers, device_index
 from fleetrl.engines.protocol import GenerationOutput, SamplingParams, response_limits
 
 WAIT_S = 1.0  # the idle engine thread looks at its queue at least this often (an offer also wakes it: `poke`)
@@ -243,38 +240,43 @@ class EngineStream:
         buf = e._ready(e.max_batch, e.max_seq_len)
         key = e._configure(buf, head.params)
         buf.seed.fill_(self.seed)  # each request's own key (request_key) carries its call's seed
-        buf.done.fill_(True)
-        loop = _Loop(e, buf, key)
+        loop = SlotLoop(e, buf, key)
+        owner: dict[int, tuple[_Call, int]] = {}  # request id -> (its call, its index there)
+
+        def admitted(rid: int) -> None:  # its first token is sampled by the weights the engine holds now
+            call, index = owner[rid]
+            call.switches[index] = [(0, e.weights_version)]
+
         pending: deque[int] = deque()
         while calls or pending or loop.running:
             for call in calls:
                 if call not in live:
                     live.append(call)
-                self._enqueue(call, pending, loop)
-            for rid, count, tok, lp in loop.round(pending):
-                self._finish_request(loop, rid, count, tok, lp, live)
+                self._enqueue(call, pending, loop, owner)
+            rids, counts, toks, lps = loop.round(pending, on_admit=admitted)
+            for i, rid in enumerate(rids):
+                self._finish_request(*owner.pop(rid), counts[i], toks[i], lps[i], live)
             if self._install():  # in flight: the running samples continue on the newest weights
                 e._prepare_weights()
                 self.stats["in_flight_installs"] += 1
                 for slot, rid in loop.running.items():
-                    call, index = loop.owner[rid]
+                    call, index = owner[rid]
                     call.switches[index].append((loop.sampled[slot], e.weights_version))
             loop.compact_if_idle(pending)
             calls = self._take(sampler, e.weights_version)[1]
 
-    def _enqueue(self, call: _Call, pending: deque[int], loop: "_Loop") -> None:
+    def _enqueue(self, call: _Call, pending: deque[int], loop: SlotLoop, owner: dict[int, tuple[_Call, int]]) -> None:
         call.left = len(call.rows)
         self.stats["calls"] += 1
         for index, row in enumerate(call.rows):
             rid = loop.new_request(row, call.limits[index], request_key(call.params.seed or 0, index))
-            loop.owner[rid] = (call, index)
+            owner[rid] = (call, index)
             pending.append(rid)
 
-    def _finish_request(self, loop: "_Loop", rid: int, count: int, tok: torch.Tensor, lp: torch.Tensor,
+    def _finish_request(self, call: _Call, index: int, count: int, tok: torch.Tensor, lp: torch.Tensor,
                         live: list[_Call]) -> None:
         """Records a finished request; its call's thread assembles the output once the last one is in (no device
         sync or tokenizer work on the engine thread, whose decoding the other calls wait on)."""
-        call, index = loop.owner.pop(rid)
         call.tok[index], call.lp[index], call.counts[index] = tok, lp, count
         call.left -= 1
         if not call.left:
@@ -304,63 +306,3 @@ def _versions(call: _Call, width: int) -> torch.Tensor:
             if start < width:
                 out[i, start:] = version
     return out
-
-
-class _Loop:
-    """One session's continuous-batching state (FastRolloutEngine._run's, with requests arriving while it runs)."""
-
-    def __init__(self, engine: Any, buf: SlotBuffers, key: Any) -> None:
-        self.e, self.buf, self.key = engine, buf, key
-        self.free = list(range(buf.slots))
-        self.buckets = [b for b in engine._buckets if b < buf.slots] + [buf.slots]
-        self.running: dict[int, int] = {}  # slot -> request id
-        self.length: dict[int, int] = {}
-        self.sampled: dict[int, int] = {}
-        self.rows: dict[int, torch.Tensor] = {}  # request id -> prompt (until it finishes)
-        self.limits: dict[int, int] = {}
-        self.owner: dict[int, tuple[_Call, int]] = {}
-        self.ahead = 0
-
-    def new_request(self, row: torch.Tensor, limit: int, key: int) -> int:
-        rid = key
-        while rid in self.rows:  # keys of live requests must differ (one stream per request); a clash is rare
-            rid = (rid + 1) & 0x7FFFFFFF
-        self.rows[rid], self.limits[rid] = row, limit
-        return rid
-
-    def round(self, pending: deque[int]) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """Admits waiting requests to free slots, decodes a round, reads the done flags -> the finished requests
-        (request id, token count, tokens, log-probs), their slots freed."""
-        e, buf = self.e, self.buf
-        heartbeat.beat()
-        admit = [(heapq.heappop(self.free), pending.popleft()) for _ in range(min(len(self.free), len(pending)))]
-        if admit:
-            e._prefill(buf, self.rows, admit, self.limits, self.key)
-            for slot, rid in admit:
-                self.running[slot], self.length[slot], self.sampled[slot] = rid, len(self.rows[rid]), 1
-                call, index = self.owner[rid]
-                call.switches[index] = [(0, e.weights_version)]
-        e._decode_round(e.sync_every - self.ahead, self.running, self.length, self.sampled, self.limits,
-                        self.buckets, self.key)
-        nb = bucket_for(max(self.running) + 1, self.buckets)
-        done, count = torch.stack((buf.done[:nb].long(), buf.count[:nb])).cpu().tolist()
-        e.stats["syncs"] += 1
-        finished = {s: self.running.pop(s) for s in list(self.running) if done[s]}
-        self.ahead = e._decode_round(e.sync_every // 2, self.running, self.length, self.sampled, self.limits,
-                                     self.buckets, self.key) if finished and self.running else 0
-        if not finished:
-            return []
-        index = device_index(list(finished), e.device)
-        buf.release(index)
-        width = max(self.limits[r] for r in finished.values())
-        toks, lps = buf.out_tok[index, :width], buf.out_lp[index, :width]
-        out = []
-        for i, (slot, rid) in enumerate(finished.items()):
-            out.append((rid, count[slot], toks[i], lps[i]))
-            heapq.heappush(self.free, slot)
-            del self.length[slot], self.sampled[slot], self.rows[rid], self.limits[rid]
-        return out
-
-    def compact_if_idle(self, pending: deque[int]) -> None:
-        if self.running and not pending:  # nothing to refill the freed slots with: shrink the decode batch
-            self.e._compact(self.buf, self.running, self.length, self.sampled, self.free, self.buckets)
