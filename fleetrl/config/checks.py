@@ -239,3 +239,8 @@ def did_you_mean(key: str, value: str, choices, what: str) -> str:
     guess = difflib.get_close_matches(str(value), list(choices), n=1)
     hint = f"; did you mean {guess[0]!r}?" if guess else ""
     return f"{key}: unknown {what} {value!r}{hint} (choose from: {', '.join(map(str, choices))})"
+
+
+def divisors(k: int) -> str:
+    """"1, 2, 4, ..." of k: what a refusal offers where a number must divide k."""
+    return ", ".join(str(d) for d in range(1, k + 1) if k % d == 0)

@@ -21,6 +21,7 @@ from fleetrl.config.checks import (
     check_sampling,
     check_share_prompts,
     did_you_mean,
+    divisors,
     one_of,
 )
 from fleetrl.config.frozen import FrozenDict
@@ -34,6 +35,7 @@ from fleetrl.config.precision import (
     resolve_compute_dtype,
     resolve_precision,
 )
+from fleetrl.config.rollout_checks import check_family, check_memory_fraction, check_tensor_parallel, owns_weights
 from fleetrl.config.schema import PoolConfig, RunConfig
 from fleetrl.config.tensor_parallel import folder_config
 from fleetrl.config.vllm_check import check_vllm
@@ -306,10 +308,10 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     autocast = resolve_precision("actor.autocast", cfg.actor.autocast, gpu["actor"], "off")
     compute_dtype = resolve_compute_dtype(cfg, gpu["rollout"])
     check_vllm(cfg, gpu["rollout"])
-    _check_memory_fraction(cfg, gpu["rollout"])
+    check_memory_fraction(cfg, gpu["rollout"])
     folder = folder_config(cfg.model.path)  # a local checkpoint's config.json, read once for both checks
-    _check_tensor_parallel(cfg, world["rollout"], folder)
-    _check_family(cfg, folder)
+    check_tensor_parallel(cfg, world["rollout"], folder)
+    check_family(cfg, folder)
     ref_from_actor = use_ref and cfg.actor.lora is not None and roles["ref"] == roles["actor"]
     lora_base = _lora_base_dtype(cfg, autocast, colocated=roles["rollout"] == roles["actor"])
     passes, flash_ok = _attention_passes(cfg, autocast, lora_base, recompute=recompute,
@@ -334,79 +336,7 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
                 actor_autocast=autocast, rollout_compute_dtype=compute_dtype, flash_attention_ok=flash_ok,
                 sync_check=(check_syncs and cfg.rollout.sync_check.source == "probe"),
                 step_sync_check=(check_syncs and cfg.rollout.sync_check.source == "step"),
-                rollout_owns_weights=_owns_weights(cfg, colocated=roles["rollout"] == roles["actor"]))
-
-
-def _check_memory_fraction(cfg: RunConfig, rollout_on_gpu: bool) -> None:
-    """rollout.gpu_memory_fraction sizes the fast engine's KV cache from its GPU's memory (workers/rollout.py
-    `cache_budget`); another engine or a CPU pool has nothing it could bound."""
-    f, r = cfg.rollout.gpu_memory_fraction, cfg.rollout
-    if f is None:
-        return
-    if r.engine != "fast":
-        hint = ("rollout.vllm.gpu_memory_utilization" if r.engine == "vllm" else
-                "nothing: it holds no KV cache of a set size")
-        raise ConfigError(f"rollout.gpu_memory_fraction={f} bounds the fast engine's KV cache; "
-                          f"rollout.engine={r.engine} takes {hint}. Remove it or set rollout.engine=fast")
-    if not rollout_on_gpu:
-        raise ConfigError(f"rollout.gpu_memory_fraction={f} is a share of a GPU's memory, and the rollout pool "
-                          f"({cfg.cluster.roles.get('rollout', 'main')}) has no GPUs: remove it, or give the pool "
-                          "gpus_per_worker")
-
-
-def _owns_weights(cfg: RunConfig, colocated: bool) -> bool:
-    """rollout.own_weights: auto is on where the engine would otherwise gather a sharded actor whole for a TP rank
-    that reads 1/k of it (engines/fast/owned.py); the fast engine's alone."""
-    own, r = cfg.rollout.own_weights, cfg.rollout
-    if own is True and r.engine != "fast":
-        raise ConfigError(f"rollout.own_weights=true is the fast engine's; rollout.engine={r.engine} holds its weights "
-                          "its own way: set rollout.own_weights=auto (or false), or rollout.engine=fast")
-    if own == "auto":
-        return r.engine == "fast" and colocated and cfg.actor.sharding == "fsdp2" and r.tensor_parallel > 1
-    return bool(own)
-
-
-def _check_family(cfg: RunConfig, folder: dict | None) -> None:
-    """A local checkpoint folder's model_type against the families the fast engine and the native forward run
-    (config/families.py), before any worker starts; other models are checked where they load."""
-    from fleetrl.config.families import family_problem
-
-    model_type = None if folder is None else folder.get("model_type")
-    problem = family_problem(model_type if isinstance(model_type, str) else None, engine=cfg.rollout.engine,
-                             forward=cfg.actor.forward)
-    if problem is not None:
-        raise ConfigError(f"model.path={cfg.model.path}: {problem}")
-
-
-def _check_tensor_parallel(cfg: RunConfig, rollout_world: int, folder: dict | None) -> None:
-    """rollout.tensor_parallel: the fast engine's, dividing the rollout workers into engines of k ranks
-    (workers/tp_group.py) and the model's heads, KV heads and MLP width into k shards (where the config layer can
-    read the shape: a local folder's config.json; any other model's is checked by the engine when it builds)."""
-    from fleetrl.config.tensor_parallel import config_shape, tp_shape_problem
-
-    k = cfg.rollout.tensor_parallel
-    if k == 1:
-        return
-    if cfg.rollout.engine != "fast":
-        raise ConfigError(f"rollout.tensor_parallel={k} is the fast engine's; rollout.engine={cfg.rollout.engine} "
-                          "runs one device per engine: set rollout.engine=fast or rollout.tensor_parallel=1")
-    if rollout_world % k:
-        raise ConfigError(f"rollout.tensor_parallel={k} does not divide the {rollout_world} rollout workers (one "
-                          f"engine per {k} of them); use a divisor of {rollout_world} ({_divisors(rollout_world)}) or "
-                          "change the rollout pool's nodes/workers_per_node")
-    # The k ranks of an engine must make every generate call together, with the same inputs: the synchronous
-    # step calls every rank at once; the async pipeline feeds each rollout worker on its own, and a multi-turn
-    # episode runs its environment per rank, so neither keeps the engine's ranks in step yet.
-    for unsupported, key in ((cfg.trainer.mode == "async", "trainer.mode=async"),
-                             (cfg.rollout.env is not None, "rollout.env (multi-turn episodes)")):
-        if unsupported:
-            raise ConfigError(f"rollout.tensor_parallel={k} runs in synchronous single-turn steps; {key} feeds each "
-                              "rollout worker on its own: set rollout.tensor_parallel=1 (one engine per GPU), or "
-                              "use the synchronous mode")
-    shape = config_shape(folder)
-    problem = None if shape is None else tp_shape_problem(k, *shape)
-    if problem is not None:
-        raise ConfigError(f"rollout.tensor_parallel={k} cannot split model.path={cfg.model.path}: {problem}")
+                rollout_owns_weights=owns_weights(cfg, colocated=roles["rollout"] == roles["actor"]))
 
 
 def _attention_passes(cfg: RunConfig, autocast: str, lora_base: str | None, *, recompute: bool,
@@ -554,7 +484,7 @@ def _batch_arithmetic(cfg: RunConfig, world: dict[str, int]) -> tuple[int, int, 
     mini_prompts = cfg.algorithm.mini_batch_prompts or prompts
     if prompts % mini_prompts:
         raise ConfigError(f"algorithm.mini_batch_prompts={mini_prompts} does not divide data.prompts_per_step="
-                          f"{prompts}; choose a divisor (e.g. {_divisors(prompts)})")
+                          f"{prompts}; choose a divisor (e.g. {divisors(prompts)})")
     mini = mini_prompts * n
     micro = cfg.algorithm.micro_batch_size
     # A micro-batch larger than a rank's share of the mini-batch just means one micro-batch per rank.
@@ -574,7 +504,7 @@ def _batch_arithmetic(cfg: RunConfig, world: dict[str, int]) -> tuple[int, int, 
             raise ConfigError(f"each '{role}' worker gets {per_rank} samples per mini-batch "
                               f"({mini} / {dp} workers), which is not a multiple of algorithm.micro_batch_size="
                               f"{micro}; set micro_batch_size to a divisor of {per_rank} "
-                              f"(e.g. {_divisors(per_rank)})")
+                              f"(e.g. {divisors(per_rank)})")
     return samples, mini, prompts // mini_prompts, micro
 
 
@@ -599,7 +529,3 @@ def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
     return a
-
-
-def _divisors(k: int) -> str:
-    return ", ".join(str(d) for d in range(1, k + 1) if k % d == 0)

@@ -1,5 +1,5 @@
-"""rollout.tensor_parallel in the Plan (plan.py `_check_tensor_parallel`, config/tensor_parallel.py): the engine, the
-rollout world and the model's shape must divide by it, each refusal one line naming the numbers; then any k > 1 is
+"""rollout.tensor_parallel in the Plan (config/rollout_checks.py `check_tensor_parallel`, config/tensor_parallel.py):
+the engine, the rollout world and the model's shape must divide by it, each refusal one line naming the numbers; then any k > 1 is
 planned with each engine sized for its k workers' samples; the modes whose calls do not keep an engine's ranks in step
 (async, multi-turn) are refused."""
 from __future__ import annotations

@@ -139,6 +139,9 @@ class EngineStream:
                 self._thread = threading.Thread(target=self._serve, daemon=True, name="fleetrl-engine-stream")
                 self._thread.start()
             self._cv.notify_all()
+        # No deadline here: this thread is a worker call's, which the driver's watchdog bounds (the verb's call
+        # deadline, and the heartbeat the engine thread moves every decode round: a frozen loop is a StallError
+        # naming the worker); a call whose weights were never offered fails before it queues (`generate`).
         item.done.wait()
         if item.error is not None:
             raise item.error
