@@ -288,7 +288,9 @@ def launch(plan: Plan, run_dir: Path, timeout_s: int) -> str | None:
             return f"stopped by --mode-timeout {timeout_s} s"
         if not isinstance(e, Exception):
             raise
-        return f"{type(e).__name__}: {e}"[:2000]
+        text = f"{type(e).__name__}: {e}"
+        # a remote error's own line (its type and message) ends its traceback: keep the head and that tail
+        return text if len(text) <= 3000 else f"{text[:1000]} ... {text[-2000:]}"
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)

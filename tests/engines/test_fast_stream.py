@@ -109,14 +109,20 @@ def _reference(old: torch.nn.Module, new: torch.nn.Module, ids: torch.Tensor, ma
     return toks, lps
 
 
-def test_weights_installed_in_flight_keep_the_caches_and_tag_each_token() -> None:
+# A GPU engine decodes from fused q/k/v and gate/up copies by default, refreshed where the weights change. The first
+# GPU run failed on a stale fused copy at the stream's first call, which the CPU's default (no copies) never ran.
+COPIES = [pytest.param({}, id="model-tensors"), pytest.param({"fuse_projections": True}, id="fused")]
+
+
+@pytest.mark.parametrize("copies", COPIES)
+def test_weights_installed_in_flight_keep_the_caches_and_tag_each_token(copies: dict) -> None:
     old, new = tiny_model("llama"), tiny_model("llama")
     with torch.no_grad():
         for p in new.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     target = {k: v.clone() for k, v in new.state_dict().items()}
     model = tiny_model("llama")  # the engine's weights: old's, until the install
-    eng = engine(model, None, max_batch=4, sync_every=3)
+    eng = engine(model, None, max_batch=4, sync_every=3, **copies)
     rounds = [0]
 
     def install() -> None:  # the worker's load: the new state in place, after the first decode round

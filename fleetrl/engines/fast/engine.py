@@ -157,26 +157,41 @@ class FastRolloutEngine:
         limits = response_limits(params, len(rows)).tolist()
         if self.tp is not None:
             self._check_same("the prompts, prompt masks and token limits", _fingerprint(rows, limits, params))
-        # Copies kept at fixed addresses between calls: where captured graphs hold them, or asked for (keep_cast).
-        fixed = self.use_cuda_graphs or self.keep_cast or self.owns
-        if not self.owns:  # an owned copy merges each layer as it fills it (owned.py)
-            # LoRA actor: merged W + ΔW of the adapted projections (before graphs are captured, which read them),
-            # rounded to the compute dtype at once.
-            self._fwd.merge_adapters(keep=fixed, dtype=None if self.dtype == self.model_dtype else self.dtype)
-        buf = self._ready(len(rows), max(len(r) for r in rows) + params.max_new_tokens)
-        key = self._configure(buf, params)
-        self._prepare_weights()  # before any graph is captured: graphs read what it sets up
+        buf, key = self._begin(len(rows), max(len(r) for r in rows) + params.max_new_tokens, params)
         try:
             tok, lp, counts = self._run(buf, rows, limits, key)
             if self.tp is not None:
                 self._check_same("the sampled tokens", [_checksum(tok), *counts])
         finally:
-            if not self.keep_cast:
-                self._fwd.shadow = None  # a per-call copy is freed now; a kept one stays for the next call
-            if not fixed:
-                self._fwd.merged = None
+            self._end()
         stop_set = set(self._eos) | set(params.stop_token_ids)
         return assemble_output(tok, lp, counts, stop_set, params.stop_strings, self.tokenizer, prompts.device)
+
+    @property
+    def _fixed_copies(self) -> bool:
+        """Copies kept at fixed addresses between calls: where captured graphs hold them, or asked for (keep_cast)."""
+        return self.use_cuda_graphs or self.keep_cast or self.owns
+
+    def _begin(self, batch: int, seq_len: int, params: SamplingParams) -> tuple[SlotBuffers, SamplerKey]:
+        """The buffers, sampler key and weights of a call (or of a stream's session), in the one order that holds:
+        the buffers first, since finding the parameters re-allocated there marks the copies stale; then the copies
+        refreshed, before any decode step or graph reads them."""
+        if not self.owns:  # an owned copy merges each layer as it fills it (owned.py)
+            # LoRA actor: merged W + ΔW of the adapted projections (before graphs are captured, which read them),
+            # rounded to the compute dtype at once.
+            self._fwd.merge_adapters(keep=self._fixed_copies,
+                                     dtype=None if self.dtype == self.model_dtype else self.dtype)
+        buf = self._ready(batch, seq_len)
+        key = self._configure(buf, params)
+        self._prepare_weights()
+        return buf, key
+
+    def _end(self) -> None:
+        """Frees what a call made for itself: a per-call cast copy and per-call merges (kept ones stay)."""
+        if not self.keep_cast:
+            self._fwd.shadow = None
+        if not self._fixed_copies:
+            self._fwd.merged = None
 
     def _prepare_weights(self) -> None:
         """The weights this call decodes with: the kept compute-dtype copy refreshed in place where stale

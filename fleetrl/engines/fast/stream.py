@@ -233,15 +233,12 @@ class EngineStream:
         try:
             self._run_session(calls, sampler, head, live)
         finally:
-            if not (e.keep_cast or e.owns):
-                e._fwd.shadow = None  # a per-call cast copy (a CPU's bf16 decode) is freed as after a call
+            e._end()  # what a call frees at its end (a CPU's per-call bf16 copy), a session frees at its end
         return True
 
     def _run_session(self, calls: list[_Call], sampler: tuple | None, head: _Call, live: list[_Call]) -> None:
         e = self.engine
-        e._prepare_weights()
-        buf = e._ready(e.max_batch, e.max_seq_len)
-        key = e._configure(buf, head.params)
+        buf, key = e._begin(e.max_batch, e.max_seq_len, head.params)  # as a call begins: the same order
         buf.seed.fill_(self.seed)  # each request's own key (request_key) carries its call's seed
         loop = SlotLoop(e, buf, key)
         owner: dict[int, tuple[_Call, int]] = {}  # request id -> (its call, its index there)
