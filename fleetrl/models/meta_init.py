@@ -18,6 +18,7 @@ recomputed by building their module again on the host.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -63,6 +64,9 @@ def materialize(model: nn.Module, device: torch.device | str) -> dict[str, torch
     device = torch.device(device)
     _to_empty(model, device)
     generator = torch.Generator(device=device).manual_seed(seed)
+    # LoRA adapters (injected on the meta device) from a stream of their own: the base draws exactly what the plain
+    # shape's model draws, with or without adapters between its layers.
+    adapters = torch.Generator(device=device).manual_seed(seed + 1)
     config = getattr(model, "config", None)
     std = getattr(config, "initializer_range", None) or 0.02
     watched = set(fingerprint_names(model))
@@ -70,7 +74,8 @@ def materialize(model: nn.Module, device: torch.device | str) -> dict[str, torch
     for name, module, attr, param in _own_parameters(model):
         sharded = hasattr(param, "to_local")  # an FSDP2 shard: this rank keeps its slice of the whole draw
         whole = torch.empty(param.shape, dtype=param.dtype, device=device) if sharded else param.data
-        _draw(module, attr, whole, generator, std)
+        if not _draw_adapter(name, whole, adapters):
+            _draw(module, attr, whole, generator, std)
         if name in watched:
             stats[name] = tensor_stats(whole)
         if sharded:
@@ -102,6 +107,20 @@ def _own_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, tor
             if id(param) not in seen:
                 seen.add(id(param))
                 yield f"{prefix}.{attr}" if prefix else attr, module, attr, param
+
+
+def _draw_adapter(name: str, out: torch.Tensor, generator: torch.Generator) -> bool:
+    """peft's default LoRA initialisation, where `name` is an adapter's matrix: B = 0, so the adapted model starts
+    as its base; A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), the bound of kaiming_uniform with a = sqrt(5). False for
+    any other parameter."""
+    if ".lora_B." in name:
+        out.zero_()
+    elif ".lora_A." in name:
+        bound = 1.0 / math.sqrt(out.shape[1])
+        out.uniform_(-bound, bound, generator=generator)
+    else:
+        return False
+    return True
 
 
 def _draw(module: nn.Module, attr: str, out: torch.Tensor, generator: torch.Generator, std: float) -> None:

@@ -30,11 +30,12 @@ from fleetrl.workers.update import run_update
 
 def load_policy_model(ctx: WorkerContext, *, trainable: bool = False) -> torch.nn.Module:
     """The policy's model, loaded or drawn straight on the worker's device. The trained actor of a random: shape under
-    FSDP2 (without LoRA, whose adapters would be drawn on the meta device too) stays on the meta device:
-    ActorComponent draws it once its engine has sharded it, so each rank allocates only its shard."""
+    FSDP2 or with LoRA stays on the meta device (adapters are injected there too): ActorComponent draws it once its
+    engine has sharded it, so each rank allocates only its shard (Qwen2.5-72B in bf16 is 145 GB: no card holds it
+    whole). LoRA takes that path unsharded too, so its adapters are drawn alike at every world size (meta_init)."""
     m = ctx.cfg.model
-    meta = (trainable and ctx.sharded("actor") and ctx.cfg.actor.lora is None
-            and m.path.startswith(shapes.RANDOM_PREFIX))
+    meta = (trainable and m.path.startswith(shapes.RANDOM_PREFIX)
+            and (ctx.sharded("actor") or ctx.cfg.actor.lora is not None))
     model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, key="model.path",
                            device="meta" if meta else ctx.device())
     if ctx.plan.gradient_checkpointing:

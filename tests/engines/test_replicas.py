@@ -47,9 +47,27 @@ def _rank(rank: int, init: str, out: str) -> None:
         except WeightsDivergeError as e:
             result["load_error"] = str(e)
         TrainingEngine(load_causal_lm("tiny:"), OptimConfig(), dist_info=info)  # the same model: no error
+        # (4) the 72B LoRA recipe: adapters injected on the meta device, the frozen base kept in bf16, sharded, drawn
+        lora = _meta_lora()
+        engine = TrainingEngine(lora, OptimConfig(lr=0.1), dist_info=info, sharded=True)
+        check_same(materialize(lora, "cpu"), None, "actor")
+        result["lora_whole"] = {k: v.full_tensor() for k, v in lora.state_dict().items()}
+        engine.step([ids], lambda x: (lora(input_ids=x).logits.float().pow(2).mean(), {}))
+        result["lora_stepped"] = {k: v.full_tensor() for k, v in lora.state_dict().items()}
     finally:
         dist.destroy_process_group()
     torch.save(result, f"{out}/{rank}.pt")
+
+
+def _meta_lora() -> torch.nn.Module:
+    from fleetrl.config.schema import LoraConfig
+    from fleetrl.models.hf import load_causal_lm
+    from fleetrl.models.lora import apply_lora, store_frozen_base
+
+    model = load_causal_lm(SHAPE, device="meta")
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    store_frozen_base(model, torch.bfloat16, upcast=True)
+    return model
 
 
 @pytest.mark.slow  # two spawned processes importing torch and transformers: ~15-30 s on 2 cores
@@ -73,3 +91,17 @@ def test_two_ranks_draw_alike_without_a_broadcast_and_a_divergence_raises(tmp_pa
             in r["seed_error"]
         assert "every node must see the same model.path" in r["seed_error"]
         assert "model weights differ between ranks: rank 1" in r["load_error"]
+    # LoRA on the meta device: both ranks hold the one-process draw (adapters B = 0, the base in bf16), and a step
+    # trains the adapters alike on both while the frozen base stays as drawn.
+    from fleetrl.models.meta_init import materialize
+
+    alone = _meta_lora()
+    materialize(alone, "cpu")
+    want = alone.state_dict()
+    up = "model.layers.0.mlp.up_proj"
+    assert want[f"{up}.base_layer.weight"].dtype == torch.bfloat16 and not want[f"{up}.lora_B.default.weight"].any()
+    for key, value in want.items():
+        assert torch.equal(r0["lora_whole"][key], value) and torch.equal(r1["lora_whole"][key], value), key
+    assert r0["lora_stepped"][f"{up}.lora_B.default.weight"].any()
+    assert torch.equal(r0["lora_stepped"][f"{up}.base_layer.weight"], want[f"{up}.base_layer.weight"])
+    assert all(torch.equal(r0["lora_stepped"][k], r1["lora_stepped"][k]) for k in want)

@@ -49,3 +49,26 @@ def test_meta_only_for_random_shapes_and_unknown_modules_are_refused():
     model = meta_init.build_on_meta(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.PReLU()), seed=0)
     with pytest.raises(ValueError, match="no initialisation for PReLU.weight"):
         meta_init.materialize(model, "cpu")
+
+
+def test_lora_adapters_injected_on_meta_start_as_the_base_and_leave_its_draw_alone():
+    """The 72B LoRA recipe's path: adapters injected into a meta model, the whole drawn after sharding. B = 0 (the
+    adapted model is its base), A within peft's kaiming bound, and the base equals the plain shape's draw."""
+    from fleetrl.config.schema import LoraConfig
+    from fleetrl.models.lora import apply_lora
+
+    plain = random_model(SHAPE, torch.float32)
+    model = random_model(SHAPE, torch.float32, device="meta")
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    meta_init.materialize(model, "cpu")
+    params = dict(model.named_parameters())
+    a = params["model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+    b = params["model.layers.0.self_attn.q_proj.lora_B.default.weight"]
+    assert a.shape == (4, 64) and 0 < a.abs().max().item() <= 1 / 8 and a.std().item() > 0.03  # 1/sqrt(64)
+    assert torch.equal(b, torch.zeros(64, 4))
+    base = {n.replace(".base_layer", ""): p for n, p in params.items() if ".lora_" not in n}
+    assert base.keys() == dict(plain.named_parameters()).keys()
+    assert all(torch.equal(base[n], p) for n, p in plain.named_parameters())
+    ids = torch.tensor([[3, 9, 27, 81]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=0, rtol=0)
