@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from fleetrl import heartbeat
 from fleetrl.batch import Batch, GroupPartition
 from fleetrl.cluster.placement import create_pool_group
+from fleetrl.cluster.store_codec import from_store, to_store
 from fleetrl.cluster.telemetry import CallStats
 from fleetrl.cluster.watchdog import Call, Deadlines, watch
 from fleetrl.config.plan import Plan
@@ -63,7 +64,7 @@ class _RayWorker(Worker):
         join the gather). The list keeps Ray from resolving the ref where it is passed on."""
         with heartbeat.beating():  # a gather and a put of a large model: no unit of progress to count
             named = self.export_weights()
-            return [] if named is None else [ray.put(named)]
+            return [] if named is None else [ray.put(to_store(named))]  # arrays: out of band, no pickling
 
     def load_published(self, weights: list[Any], version: int) -> int:
         """Installs the published weights unless this engine already holds `version` (or newer); streamed, on the
@@ -71,7 +72,7 @@ class _RayWorker(Worker):
         def load() -> int:
             if weights and self.weights_version() < version:
                 with heartbeat.beating():  # the pull from another node's object store may outlast cluster.stall_s
-                    self.install_weights(ray.get(weights[0]), version)
+                    self.install_weights(from_store(ray.get(weights[0])), version)
             return self.weights_version()
 
         return self._need("rollout").on_engine(load)
@@ -98,7 +99,7 @@ class _RayWorker(Worker):
 
     def _fetch(self, weights: list[Any], version: int) -> None:
         try:
-            state = ray.get(weights[0]) if weights else None
+            state = from_store(ray.get(weights[0])) if weights else None
         except Exception as err:  # noqa: BLE001 (raised in the engine loop at its next install: its calls fail)
             state = err
         with self._offer_lock:

@@ -13,6 +13,7 @@ import pytest
 import ray
 import torch
 
+from fleetrl.cluster.store_codec import from_store
 from fleetrl.config import derive_plan, load_config
 from fleetrl.tracking.tracker import Tracker
 from fleetrl.trainer.pipeline import AsyncRollouts
@@ -45,7 +46,7 @@ def test_each_token_records_the_version_that_sampled_it(tmp_path, ray_local, mon
 
     def publish(self, version: int) -> None:
         real_publish(self, version)
-        published[version] = _fingerprint(ray.get(self.weights[0]))
+        published[version] = _fingerprint(from_store(ray.get(self.weights[0])))
 
     monkeypatch.setattr(AsyncRollouts, "publish", publish)
     trainer = Trainer(plan, Tracker(tmp_path, cfg.tracking, {}, "partial"), tmp_path)
