@@ -13,7 +13,8 @@ Reported besides: padding waste = 1 - real tokens / token slots of the actor upd
 micro-batch computes B × (longest prompt + longest response) slots, a packed one its real tokens rounded up
 to the row alignment); update MFU = `update_flops` / update time / dense bf16 peak (bench/README.md);
 peak GPU memory over the whole run, warm-up included (the workers' train/memory/gpu_peak_allocated_gib and, on the
-rank-local step, train/memory/generate/gpu_peak_allocated_gib: max over steps, phases and ranks).
+rank-local step, train/memory/generate/gpu_peak_allocated_gib: max over steps, phases and ranks), and each
+phase's own peak (`peak_gpu_mem_gib_by_phase`: generate, update).
 """
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ def main() -> None:
     rows = steps[args.warmup:]
     result = summarize(rows, stats[-len(rows):] if stats else [], plan, args, overrides, t0)
     result["peak_gpu_mem_gib"] = peak_gpu_mem_gib(steps)
+    result["peak_gpu_mem_gib_by_phase"] = peak_by_phase(steps)
     out = Path(args.out) / f"e2e_grpo_{g}gpu_{args.engine}{args.tag}.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"e2e GRPO {g} GPU(s), engine={args.engine}, lengths={args.lengths}: {result['step_s']:.2f} s/step, "
@@ -257,6 +259,13 @@ def peak_gpu_mem_gib(steps: list[dict]) -> float | None:
     if torch.cuda.is_available():
         logged.append(torch.cuda.max_memory_allocated() / 2**30)
     return max(logged, default=None)
+
+
+def peak_by_phase(steps: list[dict]) -> dict[str, float]:
+    """The workers' logged peaks per phase, max over steps and ranks: `generate` (the rollout, read when generation
+    ends) and `update` (the rest of the step, read at the update report)."""
+    keys = {"generate": "train/memory/generate/gpu_peak_allocated_gib", "update": "train/memory/gpu_peak_allocated_gib"}
+    return {phase: max(r[k] for r in steps if k in r) for phase, k in keys.items() if any(k in r for r in steps)}
 
 
 def _fixed_length_stats(tokens: float, plan) -> list[dict]:  # noqa: ANN001

@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$OUT/gpus.txt"
-PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: scale1 scale1ray scale2 scale4 scale4driver e2e7b4 variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 e2e7bfast e2e1native e2e2native e2e2nativefsdp asyncsync asyncasync asyncsyncpk asyncasyncpk async4 async4s async4sync async4a13 async4a22 async4a13s async4a22s multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodetp e2e32b e2e72b e2eq3_1 e2eq3_4 decodeunfused decodeprof decodelongtail hostsync
+PARTS=${*:-e2e1 trl e2ehf e2e2 e2e4 trlpaged}  # also: scale1 scale1ray scale2 scale4 scale4driver e2e7b4 variants compile fsdp2 check packed ltpadded ltpacked e2e15 e2e7b e2e7b1 e2e7bfast e2e1native e2e2native e2e2nativefsdp asyncsync asyncasync asyncsyncpk asyncasyncpk async4 async4s async4s22 async4sync async4a13 async4a22 async4a13s async4a22s multiturn native nativeprof nativeshared e2e15shared nativepkfixed ltvarlen ltshared nativefused nativepk nativepktriton trainnative checknative decodecheck decode decodetp e2e32b e2e72b e2eq3_1 e2eq3_4 decodeunfused decodeprof decodelongtail hostsync
 # The async bench's training path: the padded long-tail settings measured to fit (bench/RESULTS.md), and the
 # packed token-budget micro-batches with fused log-probs (flex attention) of ltpacked.
 ASYNC_SET=${ASYNC_SET:-algorithm.micro_batch_size=16 actor.logprob_chunk=512}
@@ -172,12 +172,16 @@ for p in $PARTS; do case $p in
     run async_e2e_4gpu_async22 290 python3 bench/async_e2e.py --gpus 4 --modes async22 --steps ${STEPS:-1} \
       --warmup ${WARMUP:-1} --mode-timeout 275 ${SHAPE:+--shape $SHAPE} --out "$OUT" ${ASYNC4_SET:-}
     python3 bench/async_e2e.py --gpus 4 --summary ${SHAPE:+--shape $SHAPE} --out "$OUT" | tee "$OUT/async_e2e_summary_4gpu.txt" ;;
-  async4s)  # issue 38 in one call: sync colocated on 4 GPUs, then async 1 + 3 with the rollout worker's calls
-    # streamed through one engine loop (trainer.stream_rollouts), 1 measured step each after 1 warm-up
-    run async_e2e_4gpu_sync 270 python3 bench/async_e2e.py --gpus 4 --modes sync --steps ${STEPS:-1} \
-      --warmup ${WARMUP:-1} --mode-timeout 255 ${SHAPE:+--shape $SHAPE} --out "$OUT" ${ASYNC4_SET:-}
-    run async_e2e_4gpu_async13s 290 python3 bench/async_e2e.py --gpus 4 --modes async13s --steps ${STEPS:-1} \
-      --warmup ${WARMUP:-1} --mode-timeout 275 ${SHAPE:+--shape $SHAPE} --out "$OUT" ${ASYNC4_SET:-}
+  async4s|async4s22)  # issue 38 in one call: sync colocated on 4 GPUs, then async 1 + 3 (async4s22: 2 + 2) with the
+    # rollout worker's calls streamed through one engine loop (trainer.stream_rollouts), 1 measured step each after 1
+    # warm-up (2026-11-27 on 4x H200: sync 163 s of wall, async13s 239 s to its measured step's end). The outer
+    # timeouts leave each mode 45 s past its own deadline to shut Ray down; the runs' metrics are copied out either way.
+    split=$([ "$p" = async4s ] && echo async13s || echo async22s)
+    run async_e2e_4gpu_sync 230 python3 bench/async_e2e.py --gpus 4 --modes sync --steps ${STEPS:-1} \
+      --warmup ${WARMUP:-1} --mode-timeout 185 ${SHAPE:+--shape $SHAPE} --out "$OUT" ${ASYNC4_SET:-}
+    run "async_e2e_4gpu_$split" 330 python3 bench/async_e2e.py --gpus 4 --modes "$split" --steps ${STEPS:-1} \
+      --warmup ${WARMUP:-1} --mode-timeout 285 ${SHAPE:+--shape $SHAPE} --out "$OUT" ${ASYNC4_SET:-}
+    for d in /tmp/fleetrl-async-bench-*; do [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "$OUT/metrics_${d##*/}.jsonl"; done
     python3 bench/async_e2e.py --gpus 4 --summary ${SHAPE:+--shape $SHAPE} --out "$OUT" | tee "$OUT/async_e2e_summary_4gpu.txt" ;;
   async4sync|async4a13|async4a22|async4a13s|async4a22s)  # one mode of issue 38's workload per call: 2 measured
     # steps after 1 warm-up

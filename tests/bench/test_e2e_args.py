@@ -24,3 +24,13 @@ def test_a_steps_memory_peak_is_the_larger_of_its_two_phases():
     assert step_peak({"train/memory/gpu_peak_allocated_gib": 20.0}) == 20.0
     assert step_peak({"train/memory/generate/rss_peak_gib": 2.0}, "rss_peak_gib") == 2.0
     assert step_peak({"train/reward_mean": 0.5}) is None
+
+
+def test_each_phase_peak_is_its_largest_over_steps():
+    from bench.e2e import peak_by_phase
+
+    steps = [{"train/memory/gpu_peak_allocated_gib": 59.9, "train/memory/generate/gpu_peak_allocated_gib": 84.0},
+             {"train/memory/gpu_peak_allocated_gib": 60.3, "train/memory/generate/gpu_peak_allocated_gib": 83.5},
+             {"train/reward_mean": 0.5}]
+    assert peak_by_phase(steps) == {"generate": 84.0, "update": 60.3}
+    assert peak_by_phase([{"train/memory/gpu_peak_allocated_gib": 3.0}]) == {"update": 3.0}
