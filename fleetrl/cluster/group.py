@@ -50,6 +50,7 @@ class _RayWorker(Worker):
         self._offered: tuple[list[Any], int] = ([], 0)  # the newest published weights (partial, streamed rollouts)
         self._offer_lock = threading.Lock()  # offers come from publish and from every streamed call's thread
         self._fetched: tuple[int, Any] = (0, None)  # streamed: (version, its state dict on the host, or the error)
+        self._staged: dict[str, Any] | None = None  # actor rank 0: the host copy `stage_weights` made for `put_weights`
         # trainer.stream_rollouts: one engine loop serves this worker's calls, started once `build` made the engine
         self.streaming = ctx.plan.pipeline is not None and ctx.plan.pipeline.stream and "rollout" in ctx.roles
 
@@ -59,12 +60,23 @@ class _RayWorker(Worker):
             self.rollout.start_stream(self.install_newest)
 
     # -------------------------------------------- async weight path (trainer.mode=async), through the object store
+    def stage_weights(self) -> None:
+        """Every actor rank: the gathers of the version to publish; rank 0 keeps its host copy for `put_weights`.
+        Two verbs, so the step's per-rank timings tell the gather and copy from the store's write."""
+        with heartbeat.beating():  # a gather of a large model: no unit of progress to count
+            self._staged = self.export_weights()
+
     def put_weights(self) -> list[Any]:
-        """Actor rank 0: [ObjectRef] of the published weights, owned by this process; other ranks: [] (they only
-        join the gather). The list keeps Ray from resolving the ref where it is passed on."""
-        with heartbeat.beating():  # a gather and a put of a large model: no unit of progress to count
-            named = self.export_weights()
-            return [] if named is None else [ray.put(to_store(named))]  # arrays: out of band, no pickling
+        """Actor rank 0: [ObjectRef] of the weights `stage_weights` copied, owned by this process; other ranks: []
+        (they only joined the gathers). The list keeps Ray from resolving the ref where it is passed on."""
+        staged, self._staged = self._staged, None
+        if self.ctx.rank != 0:
+            return []
+        if staged is None:
+            raise RuntimeError("put_weights on actor rank 0 before stage_weights: call stage_weights on every "
+                               "actor rank first (trainer/pipeline.py publish)")
+        with heartbeat.beating():  # a write of a large model into the store
+            return [ray.put(to_store(staged))]  # arrays: out of band, no pickling (cluster/store_codec.py)
 
     def load_published(self, weights: list[Any], version: int) -> int:
         """Installs the published weights unless this engine already holds `version` (or newer); streamed, on the

@@ -70,12 +70,20 @@ def materialize(model: nn.Module, device: torch.device | str) -> dict[str, torch
     config = getattr(model, "config", None)
     std = getattr(config, "initializer_range", None) or 0.02
     watched = set(fingerprint_names(model))
+    # A LoRA actor's frozen base may have been narrowed on the meta device (store_frozen_base): it is drawn in the
+    # model's own dtype and rounded, as the eagerly built model it must equal is (a CPU's bf16 normal_ is another
+    # draw, not the fp32 one rounded).
+    built = _widest_float(model)
     stats: dict[str, torch.Tensor] = {}
     for name, module, attr, param in _own_parameters(model):
         sharded = hasattr(param, "to_local")  # an FSDP2 shard: this rank keeps its slice of the whole draw
         whole = torch.empty(param.shape, dtype=param.dtype, device=device) if sharded else param.data
         if not _draw_adapter(name, whole, adapters):
-            _draw(module, attr, whole, generator, std)
+            narrowed = whole.is_floating_point() and built is not None and whole.dtype != built
+            drawn = torch.empty(whole.shape, dtype=built, device=device) if narrowed else whole
+            _draw(module, attr, drawn, generator, std)
+            if narrowed:
+                whole.copy_(drawn)
         if name in watched:
             stats[name] = tensor_stats(whole)
         if sharded:
@@ -85,6 +93,13 @@ def materialize(model: nn.Module, device: torch.device | str) -> dict[str, torch
                                                      src_data_rank=None).to_local())
     _rebuild_buffers(model)
     return {n: stats[n] for n in fingerprint_names(model)}
+
+
+def _widest_float(model: nn.Module) -> torch.dtype | None:
+    """The widest floating dtype of the model's parameters: the dtype it was built in (only narrowing happens
+    between the build and the draw)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return max(dtypes, key=lambda d: torch.finfo(d).bits, default=None)
 
 
 def _to_empty(model: nn.Module, device: torch.device) -> None:
@@ -158,7 +173,9 @@ def _rebuild_buffers(model: nn.Module) -> None:
 def fingerprint_names(model: nn.Module) -> list[str]:
     """The parameters ranks compare: the smallest matrices of the trainable and of the frozen ones (cheap to gather
     and to sum; every seeded matrix comes from one generator stream, so a different seed or file changes them)."""
-    named = [(p.numel(), i, n, p.requires_grad) for i, (n, p) in enumerate(model.named_parameters()) if p.dim() >= 2]
+    # LoRA's B matrices start at zero on every rank whatever the seed: comparing them would check nothing.
+    named = [(p.numel(), i, n, p.requires_grad) for i, (n, p) in enumerate(model.named_parameters())
+             if p.dim() >= 2 and ".lora_B." not in n]
     out: list[str] = []
     for trainable in (True, False):
         out += [n for _, _, n, t in sorted(named) if t == trainable][:FINGERPRINT_PER_GROUP]

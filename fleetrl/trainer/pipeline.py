@@ -50,6 +50,7 @@ class AsyncRollouts:
     def publish(self, version: int) -> None:
         """After the actor's update: its weights into the object store, then generation up to the window at the
         new version. Version 0 of a fresh run needs no copy (both pools built the same initial weights)."""
+        self.actor.call_all(_RayWorker.stage_weights)
         self.weights = [r for refs in self.actor.call_all(_RayWorker.put_weights) for r in refs]
         self.version = version
         if self.p.segment_tokens is not None or self.p.stream:

@@ -93,10 +93,19 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 def sync_state(model: torch.nn.Module, lora: LoraConfig | None) -> list[tuple[str, torch.Tensor]]:
     """What the actor publishes: every tensor, or with LoRA only the merged adapted weights W + ΔW (the frozen
     rest — embeddings, norms, unadapted layers — never changes, and the receiver already holds it)."""
+    return list(iter_sync_state(model, lora))
+
+
+def iter_sync_state(model: torch.nn.Module, lora: LoraConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`sync_state` one tensor at a time, each gathered (a collective: every rank iterates it whole, in step) only
+    when it is reached, so a consumer that drops each one never holds the whole gathered model."""
     if lora is None:
-        return full_state(model)
+        for name, t in model.state_dict().items():
+            yield name, whole(t)
+        return
     # Sharded (FSDP2): W and the adapters are DTensor shards, so the merge is too; gathered here like full_state.
-    return [(name, whole(t)) for name, t in merged_targets(model)]
+    for name, t in merged_targets(model):
+        yield name, whole(t)
 
 
 def receive_layout(model: torch.nn.Module, lora: LoraConfig | None) -> tuple[list[tuple[str, torch.Tensor]], bool]:

@@ -24,6 +24,7 @@ from fleetrl.engines.sync_check import SyncProbe
 from fleetrl.engines.training import DistInfo
 from fleetrl.netif import socket_ifname_env
 from fleetrl.workers.context import WorkerContext
+from fleetrl.workers.host_stage import HostStage
 from fleetrl.workers.memory import bound_onednn_caches, memory_peaks
 from fleetrl.workers.messages import (
     GenerateRequest,
@@ -52,6 +53,7 @@ class Worker:
         self.local: LocalStep | None = None  # the rank-local step's held groups (workers/local_step.py), built on first use
         self.startup_s: dict[str, float] = {}  # seconds of each part of `build`
         self.engine_group: EngineGroup | None = None  # rollout.tensor_parallel > 1: this rank's engine (tp_group.py)
+        self.stage: HostStage | None = None  # async publish: actor rank 0's host buffers, kept between publishes
 
     def timed(self, method: str, *args):
         """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
@@ -250,12 +252,19 @@ class Worker:
         return version
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """Async weight path: what `bus_send` would send, as CPU tensors on actor rank 0 (None on the others).
-        Every rank runs it: sharded parameters are gathered collectively."""
-        from fleetrl.workers.weight_bus import sync_state
+        """Async weight path: what `bus_send` would send, in host memory on actor rank 0 (None on the others), valid
+        until the next export (workers/host_stage.py keeps the buffers). Every rank runs it: sharded parameters are
+        gathered collectively, one tensor at a time, and each is dropped once copied."""
+        from fleetrl.workers.weight_bus import iter_sync_state
 
-        named = sync_state(self._need("actor").model, self.ctx.cfg.actor.lora)
-        return {n: t.detach().to("cpu", copy=True) for n, t in named} if self.ctx.rank == 0 else None
+        named = iter_sync_state(self._need("actor").model, self.ctx.cfg.actor.lora)
+        if self.ctx.rank != 0:
+            for _ in named:  # joins each gather, keeps nothing
+                pass
+            return None
+        if self.stage is None:
+            self.stage = HostStage()
+        return self.stage.copy(named)
 
     def install_weights(self, received: dict[str, torch.Tensor], version: int) -> None:
         """Loads `sync_state`'s tensors (from the bus or the object store) into the rollout engine."""

@@ -171,3 +171,13 @@ def test_per_sample_limits_and_stop_strings_as_a_call_of_their_own() -> None:
     _same(plain.generate(*other, GREEDY), out2)
     assert out.response_mask.sum(1).tolist() == limits.tolist()
     assert stream.take_idle_s() >= 0.0
+
+
+def test_a_model_with_adapters_is_refused():
+    from fleetrl.config.schema import LoraConfig
+    from fleetrl.models.lora import apply_lora
+
+    model = tiny_model("llama")
+    apply_lora(model, LoraConfig(rank=2, alpha=4.0))
+    with pytest.raises(ValueError, match="carries LoRA adapters"):
+        EngineStream(engine(model, None), install=lambda: None)

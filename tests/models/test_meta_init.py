@@ -72,3 +72,24 @@ def test_lora_adapters_injected_on_meta_start_as_the_base_and_leave_its_draw_alo
     ids = torch.tensor([[3, 9, 27, 81]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=0, rtol=0)
+
+
+def test_a_base_narrowed_on_meta_is_the_plain_draw_rounded_and_ranks_compare_an_adapter_that_varies():
+    """store_frozen_base(bf16) before the draw (a CPU LoRA actor of an fp32 model): each frozen weight equals the
+    fp32 draw of the plain shape rounded to bf16, as the separate rollout pool's plain model has it; the trainable
+    matrices the ranks fingerprint are A's (B's are zero whatever the seed)."""
+    from fleetrl.config.schema import LoraConfig
+    from fleetrl.models.lora import apply_lora, store_frozen_base
+
+    plain = random_model(SHAPE, torch.float32)
+    model = random_model(SHAPE, torch.float32, device="meta")
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    store_frozen_base(model, torch.bfloat16, upcast=True)
+    stats = meta_init.materialize(model, "cpu")
+    params = dict(model.named_parameters())
+    q = params["model.layers.0.self_attn.q_proj.base_layer.weight"]
+    assert q.dtype == torch.bfloat16
+    assert torch.equal(q, plain.model.layers[0].self_attn.q_proj.weight.to(torch.bfloat16))
+    assert torch.equal(params["model.embed_tokens.weight"], plain.model.embed_tokens.weight)  # not narrowed
+    trainable = [n for n in stats if params[n].requires_grad]
+    assert trainable and all(".lora_A." in n for n in trainable)

@@ -81,6 +81,13 @@ class EngineStream:
     offered to its worker (a no-op when it holds them); it runs on the engine thread."""
 
     def __init__(self, engine: Any, install: Callable[[], None], seed: int = 0) -> None:
+        from fleetrl.models.lora import lora_layers
+
+        if lora_layers(engine.model):
+            # An in-flight install refreshes the engine's copies but merges no adapters; a streamed (async) rollout
+            # pool's model is plain and receives merged weights, so this never arises from a config.
+            raise ValueError("EngineStream serves a plain model: this engine's model carries LoRA adapters; merge "
+                             "them into the weights the stream installs (the async weight path sends them merged)")
         self.engine, self.install, self.seed = engine, install, seed
         self._cv = threading.Condition()
         self._queue: deque[_Call | _Task] = deque()
