@@ -99,12 +99,9 @@ def sync_state(model: torch.nn.Module, lora: LoraConfig | None) -> list[tuple[st
 def iter_sync_state(model: torch.nn.Module, lora: LoraConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
     """`sync_state` one tensor at a time, each gathered (a collective: every rank iterates it whole, in step) only
     when it is reached, so a consumer that drops each one never holds the whole gathered model."""
-    if lora is None:
-        for name, t in model.state_dict().items():
-            yield name, whole(t)
-        return
     # Sharded (FSDP2): W and the adapters are DTensor shards, so the merge is too; gathered here like full_state.
-    for name, t in merged_targets(model):
+    named = model.state_dict().items() if lora is None else merged_targets(model)
+    for name, t in named:
         yield name, whole(t)
 
 

@@ -53,7 +53,7 @@ class Worker:
         self.local: LocalStep | None = None  # the rank-local step's held groups (workers/local_step.py), built on first use
         self.startup_s: dict[str, float] = {}  # seconds of each part of `build`
         self.engine_group: EngineGroup | None = None  # rollout.tensor_parallel > 1: this rank's engine (tp_group.py)
-        self.stage: HostStage | None = None  # async publish: actor rank 0's host buffers, kept between publishes
+        self.stage = HostStage()  # async publish: actor rank 0's host buffers (none until its first export)
 
     def timed(self, method: str, *args):
         """Runs one verb and returns (result, seconds spent inside this process) so the caller can tell
@@ -262,8 +262,6 @@ class Worker:
             for _ in named:  # joins each gather, keeps nothing
                 pass
             return None
-        if self.stage is None:
-            self.stage = HostStage()
         return self.stage.copy(named)
 
     def install_weights(self, received: dict[str, torch.Tensor], version: int) -> None:
