@@ -181,7 +181,7 @@ def slots_fraction(plan: Plan, slots: int, gpu_bytes: int) -> str:
 # ------------------------------------------------------------------------------------------ memory
 GIB = 2 ** 30
 MEM_FRAC = 0.92  # of the card's memory: the rest for the CUDA context, NCCL and allocator fragmentation
-ACTIVATIONS_GIB = 6.0  # one packed 8,192-token micro-batch's update (the 7B 4-GPU update peaked at 24.1 GiB in all)
+ACTIVATIONS_GIB = 6.0  # per packed 8,192 tokens of a micro-batch's update (the 7B 4-GPU update peaked at 24.1 GiB)
 
 
 def engine_slots(plan: Plan, gpu_bytes: int) -> tuple[int, dict[str, float]]:
@@ -189,7 +189,7 @@ def engine_slots(plan: Plan, gpu_bytes: int) -> tuple[int, dict[str, float]]:
     else lives there, capped at the Plan's slots (plan.rollout.max_batch), and the estimate in GiB. Estimated from
     the shape (bf16 weights, gradients and Adam moments in model.dtype):
 
-        rollout pool    weights + fused q/k/v and gate/up copies (engines/fast/fused.py)
+        rollout pool    weights + fused q/k/v and gate/up copies (engines/fast/fused.py), + the bus staging copy
         colocated       fused copies + the larger of the generate phase (unsharded weights + the rank's shard of
                         weights and gradients, the Adam moments offloaded) and the update (the rank's shard of
                         weights, gradients and both moments + activations); the KV cache stays through the update
@@ -197,9 +197,10 @@ def engine_slots(plan: Plan, gpu_bytes: int) -> tuple[int, dict[str, float]]:
     p, fused, kv_per_pos = shape_bytes(plan)
     w = plan.world["actor"]
     if plan.rollout_colocated:
-        other = fused + max(p + 2 * p / w, 4 * p / w + ACTIVATIONS_GIB * GIB)
-    else:
-        other = p + fused
+        acts = ACTIVATIONS_GIB * GIB * (plan.config.algorithm.micro_batch_tokens or 8192) / 8192
+        other = fused + max(p + 2 * p / w, 4 * p / w + acts)
+    else:  # trainer.async_weights=bus: one more copy of the weights, the staging the bus receives into
+        other = p + fused + (p if plan.pipeline is not None and plan.pipeline.weights == "bus" else 0)
     slot = kv_per_pos * plan.rollout.max_seq_len
     fits = int((MEM_FRAC * gpu_bytes - other) // slot)
     est = {"gpu_gib": gpu_bytes / GIB, "weights_gib": p / GIB, "fused_copies_gib": fused / GIB,

@@ -6,6 +6,7 @@ the master address for the pool's process group.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import ray
+import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fleetrl import heartbeat
@@ -51,13 +53,35 @@ class _RayWorker(Worker):
         self._offer_lock = threading.Lock()  # offers come from publish and from every streamed call's thread
         self._fetched: tuple[int, Any] = (0, None)  # streamed: (version, its state dict on the host, or the error)
         self._staged: dict[str, Any] | None = None  # actor rank 0: the host copy `stage_weights` made for `put_weights`
+        # trainer.async_weights=bus: the staging copy `bus_offer` receives into (workers/weight_bus.py Staging), the
+        # lock that keeps a receive and the loop's install of the same buffers apart, the CUDA stream the receive
+        # runs on (the decode's stream never waits for it) and the event after the last install's copies
+        self._staging: Any = None
+        self._staging_lock = threading.Lock()
+        self._bus_stream: Any = None
+        self._installed: Any = None
         # trainer.stream_rollouts: one engine loop serves this worker's calls, started once `build` made the engine
         self.streaming = ctx.plan.pipeline is not None and ctx.plan.pipeline.stream and "rollout" in ctx.roles
 
     def build(self) -> None:
         super().build()
+        if self.streaming and self.ctx.plan.pipeline.weights == "bus":
+            self._allocate_staging()  # before the loop starts and the first call sizes its KV cache
         if self.streaming:
             self.rollout.start_stream(self.install_newest)
+
+    def _allocate_staging(self) -> None:
+        from fleetrl.workers.weight_bus import BUCKET_BYTES, Staging, receive_layout
+
+        own, _ = receive_layout(self._need("rollout").engine_model(), self.ctx.cfg.actor.lora)
+        try:
+            with self._on_bus_stream():
+                self._staging = Staging(own, BUCKET_BYTES, self.ctx.device())
+        except torch.cuda.OutOfMemoryError as err:
+            size = sum(t.numel() * t.element_size() for _, t in own) / 2**30
+            raise RuntimeError(f"trainer.async_weights=bus keeps a {size:.1f} GiB staging copy of the weights on each "
+                               f"rollout GPU and it does not fit beside the engine: set trainer.async_weights=store, "
+                               f"or give the rollout more memory ({err})") from err
 
     # -------------------------------------------- async weight path (trainer.mode=async), through the object store
     def stage_weights(self) -> None:
@@ -85,9 +109,46 @@ class _RayWorker(Worker):
             if weights and self.weights_version() < version:
                 with heartbeat.beating():  # the pull from another node's object store may outlast cluster.stall_s
                     self.install_weights(from_store(ray.get(weights[0])), version)
+            elif self.streaming and self.weights_version() < version:
+                self.install_newest()  # trainer.async_weights=bus: the publish left it in the staging buffers
             return self.weights_version()
 
         return self._need("rollout").on_engine(load)
+
+    def bus_offer(self, bucket_bytes: int, version: int) -> int:
+        """trainer.async_weights=bus: receives `version` from actor rank 0's broadcast (cluster/weight_sync.py) into
+        this worker's staging copy, then offers it as `offer_weights` does. Outside the serial group and on a CUDA
+        stream of its own, so it runs beside the engine loop's decoding; the loop installs it between two decode
+        rounds (`install_newest`: a device-to-device copy)."""
+        from fleetrl.workers.weight_bus import BUCKET_BYTES, Staging, receive_layout
+
+        heartbeat.maybe_freeze("bus_receive")
+        rollout = self._need("rollout")
+        with self._staging_lock, self._on_bus_stream():
+            if self._staging is None or bucket_bytes != BUCKET_BYTES:  # built at `build`; kept for the run
+                own, _ = receive_layout(rollout.engine_model(), self.ctx.cfg.actor.lora)
+                self._staging = Staging(own, bucket_bytes, self.ctx.device())
+            if self._installed is not None:  # the loop's copies out of the buffers are done before they refill
+                torch.cuda.current_stream().wait_event(self._installed)
+            views = self._staging.receive(self.bus)
+            if self._bus_stream is not None:
+                self._bus_stream.synchronize()  # this thread only: the loop reads the buffers once this returns
+        with self._offer_lock:
+            if version > self._offered[1]:
+                self._offered = ([], version)
+            if version > self._fetched[0]:
+                self._fetched = (version, views)
+        if rollout.stream is not None:
+            rollout.stream.poke(version)
+        return version
+
+    def _on_bus_stream(self) -> Any:
+        device = self.ctx.device()
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._bus_stream is None:
+            self._bus_stream = torch.cuda.Stream(device)
+        return torch.cuda.stream(self._bus_stream)
 
     def offer_weights(self, weights: list[Any], version: int) -> None:
         """Partial and streamed rollouts: notes the newest published weights without installing them. It runs outside
@@ -130,11 +191,25 @@ class _RayWorker(Worker):
             version, state = self._fetched
         if isinstance(state, Exception):
             raise RuntimeError(f"fetching weights version {version} from the object store failed: {state}") from state
-        if state is not None and self.weights_version() < version:
+        if state is None or self.weights_version() >= version:
+            return
+        if self.ctx.plan.pipeline.weights == "bus":
+            if not self._staging_lock.acquire(blocking=False):
+                return  # a newer version is arriving into the buffers: installed at a later round, when it is whole
+            try:
+                with self._offer_lock:
+                    version, state = self._fetched  # the newest whole one (the receive may have ended meanwhile)
+                self.install_weights(state, version)
+                if self.ctx.device().type == "cuda":
+                    self._installed = torch.cuda.Event()
+                    self._installed.record()  # the next receive waits for these copies, not the host
+            finally:
+                self._staging_lock.release()
+        else:
             self.install_weights(state, version)
-            with self._offer_lock:
-                if self._fetched[0] == version:
-                    self._fetched = (version, None)  # installed: the host copy can go
+        with self._offer_lock:
+            if self._fetched[0] == version:
+                self._fetched = (version, None)  # installed: the host copy can go (the bus's buffers stay)
 
     # -------------------------------------------- policy check across pools (cluster/weight_sync.py probe_gaps)
     def put_sync_probe(self, version: int) -> list[Any]:

@@ -6,8 +6,7 @@ import ray
 
 from fleetrl.cluster.group import WorkerGroup
 from fleetrl.cluster.watchdog import watch
-
-BUCKET_BYTES = 64 << 20
+from fleetrl.workers.weight_bus import BUCKET_BYTES
 
 
 class WeightSyncError(RuntimeError):
@@ -33,14 +32,18 @@ def connect_bus(actor: WorkerGroup, rollout: WorkerGroup, timeout_s: float) -> N
     actor.bus_ready = True
 
 
-def broadcast_weights(actor: WorkerGroup, rollout: WorkerGroup, version: int, timeout_s: float) -> int:
-    """Returns the bytes sent. Raises WeightSyncError (never hangs) when a receiver stalls."""
+def broadcast_weights(actor: WorkerGroup, rollout: WorkerGroup, version: int, timeout_s: float, *,
+                      beside_decode: bool = False) -> int:
+    """Returns the bytes sent. Raises WeightSyncError (never hangs) when a receiver stalls. beside_decode: an async
+    rollout pool receives into its staging buffers while its engine loop decodes (`bus_offer`, outside the serial
+    group) instead of installing at once (`bus_receive`, synchronous mode: the engine is idle)."""
     if actor.backend == "local":
         raise WeightSyncError("a separate rollout pool needs cluster.backend=ray")
     if not actor.bus_ready:
         connect_bus(actor, rollout, timeout_s)
     send = actor.calls([w.bus_send.remote(BUCKET_BYTES) for w in actor.workers])
-    recv = rollout.calls([w.bus_receive.remote(BUCKET_BYTES, version) for w in rollout.workers])
+    verb = "bus_offer" if beside_decode else "bus_receive"
+    recv = rollout.calls([getattr(w, verb).remote(BUCKET_BYTES, version) for w in rollout.workers])
     try:  # the watchdog: a receiver that stops taking buckets is a stall within cluster.stall_s, named
         sent = watch(send + recv, verb="weight_sync", timeout_s=timeout_s * 2,
                      stall_s=actor.plan.config.cluster.stall_s, stall_dir=actor.stall_dir(), step=actor.step)

@@ -36,6 +36,10 @@ class AsyncPlan:
     its one engine loop (engines/fast/stream.py); its serial concurrency group is that wide. 0 = streaming off:
     calls run one after another."""
 
+    weights: Literal["store", "bus"] = "store"
+    """trainer.async_weights, resolved: bus = each version broadcast from actor rank 0 to the rollout workers
+    (cluster/weight_sync.py `broadcast_async`), store = through Ray's object store (trainer/pipeline.py publish)."""
+
     @property
     def stream(self) -> bool:
         return self.stream_calls > 0
@@ -80,7 +84,25 @@ def derive_async(cfg: RunConfig, roles: Mapping[str, str], rollout_world: int) -
     return AsyncPlan(max_staleness=t.max_staleness, stale=t.stale, groups_per_step=prompts, chunk_groups=chunk,
                      window_groups=(t.max_staleness + 1) * prompts,
                      max_chunks_per_step=per_step * (ds.max_rounds if ds.enabled else 1),
-                     segment_tokens=_segment_tokens(cfg), stream_calls=_stream_calls(cfg, chunk))
+                     segment_tokens=_segment_tokens(cfg), stream_calls=(calls := _stream_calls(cfg, chunk)),
+                     weights=_weight_path(cfg, streamed=calls > 0))
+
+
+def _weight_path(cfg: RunConfig, *, streamed: bool) -> Literal["store", "bus"]:
+    """trainer.async_weights resolved. The bus needs the engine loop (only it installs whatever version arrived
+    last, from a staging copy, between decode rounds; a plain or segmented call installs the exact version it is
+    tagged with) and whole weights on every rollout worker (tensor_parallel 1)."""
+    t, tp = cfg.trainer, cfg.rollout.tensor_parallel
+    able = streamed and tp == 1
+    if t.async_weights == "auto":
+        return "bus" if able else "store"
+    if t.async_weights == "bus" and not able:
+        why = ("trainer.stream_rollouts=false: only the streamed engine loop installs a version received beside "
+               "its decoding" if not streamed else
+               f"rollout.tensor_parallel={tp}: the bus sends whole weights to every rollout worker")
+        raise ConfigError(f"trainer.async_weights=bus cannot run with {why}; set trainer.async_weights=store (or "
+                          "auto)")
+    return t.async_weights
 
 
 def _segment_tokens(cfg: RunConfig) -> int | None:

@@ -244,7 +244,8 @@ class Plan:
                 "chunk_groups": self.pipeline.chunk_groups, "window_groups": self.pipeline.window_groups,
                 **({} if self.pipeline.segment_tokens is None else
                    {"partial_segment_tokens": self.pipeline.segment_tokens}),
-                **({"stream_calls": self.pipeline.stream_calls} if self.pipeline.stream else {})},
+                **({"stream_calls": self.pipeline.stream_calls} if self.pipeline.stream else {}),
+                "weights": self.pipeline.weights},
         }
 
 

@@ -458,6 +458,13 @@ class TrainerConfig:
     in-flight updates). Each token records the version that sampled it (`token_versions`); the staleness bound holds
     per token. Its engine holds up to the window's samples per worker (bound it with rollout.gpu_memory_fraction).
     Not with partial_rollouts (it supersedes them) or rollout.env."""
+    async_weights: Literal["auto", "store", "bus"] = "auto"
+    """async: how each published version reaches the rollout pool. bus = a broadcast from actor rank 0 to every
+    rollout worker over a process group of their own (NCCL on GPUs, Gloo on CPUs), received beside the running
+    decode into a staging copy of the weights that the engine loop installs between two decode rounds (one more
+    copy of the synced weights per rollout GPU); stream_rollouts only, tensor_parallel 1. store = actor rank 0
+    writes the version to Ray's object store once and each rollout worker reads it (no staging on the GPU, nothing
+    waits for a collective). auto = bus where it can run, else store."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,9 +4,12 @@ publishes here; the bookkeeping (what may start, what a step takes, what is too 
 
 Each generate call ("chunk") carries chunk_groups whole GRPO groups to one rollout worker, tagged with the
 weights version published when it was submitted; results are scored as they arrive, so reward scoring overlaps
-generation. Weights travel through the object store: actor rank 0 puts its state once per version (the actor
-never waits for a rollout worker to reach a collective), and each chunk's call installs the version it is tagged
-with before generating, queued behind the generation the worker is running (cluster/group.py `generate_at`).
+generation. Weights travel through the object store (trainer.async_weights=store): actor rank 0 puts its state
+once per version (the actor never waits for a rollout worker to reach a collective), and each chunk's call installs
+the version it is tagged with before generating, queued behind the generation the worker is running
+(cluster/group.py `generate_at`). Streamed (async_weights=bus): actor rank 0 broadcasts each version to every
+rollout worker, which receives it beside its decoding into a staging copy its engine loop installs between two
+decode rounds (cluster/group.py `bus_offer`); the publish returns once every worker holds it.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 from fleetrl.batch import Batch
 from fleetrl.cluster.group import WorkerGroup, _RayWorker
 from fleetrl.cluster.stream import Stream
+from fleetrl.cluster.weight_sync import broadcast_weights
 from fleetrl.config.plan import Plan
 from fleetrl.trainer.dynamic import fill_informative
 from fleetrl.trainer.feed import PromptFeed
@@ -50,6 +54,11 @@ class AsyncRollouts:
     def publish(self, version: int) -> None:
         """After the actor's update: its weights into the object store, then generation up to the window at the
         new version. Version 0 of a fresh run needs no copy (both pools built the same initial weights)."""
+        if self.p.weights == "bus":  # received beside the decoding and offered by the time this returns
+            broadcast_weights(self.actor, self.rollout, version, self.cfg.cluster.init_timeout_s, beside_decode=True)
+            self.version = version
+            self._fill()
+            return
         self.actor.call_all(_RayWorker.stage_weights)
         self.weights = [r for refs in self.actor.call_all(_RayWorker.put_weights) for r in refs]
         self.version = version

@@ -302,7 +302,7 @@ class Trainer:
         """Colocated: the engine already reads the actor's parameters, only the version moves. Separate pool:
         a bucketed broadcast that carries the version."""
         version = self.progress.weights_version
-        if self.pipeline is not None:  # object store; the engines install it before their next generation
+        if self.pipeline is not None:  # object store or the async bus (trainer.async_weights), installed by the engines
             self.pipeline.publish(version)
         elif self.plan.rollout_colocated:
             self.group("rollout").call_all(Worker.mark_weights_version, version)

@@ -10,7 +10,7 @@ the sender fail with a timeout instead of hanging.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,8 @@ import torch.distributed as dist
 from fleetrl import heartbeat
 from fleetrl.config.schema import LoraConfig
 from fleetrl.models.lora import merged_targets, target_weight_names
+
+BUCKET_BYTES = 64 << 20  # one broadcast's payload: large enough for the link's speed, small beside the model
 
 
 class WeightBus:
@@ -56,7 +58,14 @@ def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterato
         yield current
 
 
-def send(bus: WeightBus, named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> int:
+def send(bus: WeightBus | None, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> int:
+    """Bus rank 0 sends `named` in buckets; a rank without the bus (an actor rank > 0) only walks `named` whole, as
+    its gathers are collectives every actor rank joins in step. Tensors are taken one at a time, so a bucket, not
+    the whole gathered model, is what the sender holds at once."""
+    if bus is None:
+        for _ in named:
+            pass
+        return 0
     sent = 0
     for bucket in buckets(named, bucket_bytes):
         heartbeat.beat()
@@ -66,18 +75,32 @@ def send(bus: WeightBus, named: list[tuple[str, torch.Tensor]], bucket_bytes: in
     return sent
 
 
+class Staging:
+    """The receiver's buffers for what `send` broadcasts: one flat buffer per bucket, cut into views shaped like the
+    receiver's own tensors. Kept between versions (async: allocated once, beside the decoding engine)."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int, device: torch.device) -> None:
+        self.flats: list[torch.Tensor] = []
+        self.views: dict[str, torch.Tensor] = {}
+        for bucket in buckets(named, bucket_bytes):
+            flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=bucket[0][1].dtype, device=device)
+            offset = 0
+            for name, t in bucket:
+                self.views[name] = flat[offset: offset + t.numel()].view_as(t)
+                offset += t.numel()
+            self.flats.append(flat)
+
+    def receive(self, bus: WeightBus) -> dict[str, torch.Tensor]:
+        """Fills the buffers from one `send`; returns the views by name (valid until the next `receive`)."""
+        for flat in self.flats:
+            heartbeat.beat()
+            bus.broadcast([flat])
+        return self.views
+
+
 def receive(bus: WeightBus, named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, torch.Tensor]:
     """`named` are the receiver's own tensors (for shapes/dtypes); returns fresh received tensors by name."""
-    out: dict[str, torch.Tensor] = {}
-    for bucket in buckets(named, bucket_bytes):
-        heartbeat.beat()
-        flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=bucket[0][1].dtype, device=bus.device)
-        bus.broadcast([flat])
-        offset = 0
-        for name, t in bucket:
-            out[name] = flat[offset: offset + t.numel()].view_as(t)
-            offset += t.numel()
-    return out
+    return Staging(named, bucket_bytes, bus.device).receive(bus)
 
 
 def full_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -238,10 +238,9 @@ class Worker:
 
     def bus_send(self, bucket_bytes: int) -> int:
         """Every actor rank gathers (sharded params need all ranks); only bus rank 0 (actor rank 0) sends."""
-        from fleetrl.workers.weight_bus import send, sync_state
+        from fleetrl.workers.weight_bus import iter_sync_state, send
 
-        named = sync_state(self._need("actor").model, self.ctx.cfg.actor.lora)
-        return send(self.bus, named, bucket_bytes) if self.bus is not None else 0
+        return send(self.bus, iter_sync_state(self._need("actor").model, self.ctx.cfg.actor.lora), bucket_bytes)
 
     def bus_receive(self, bucket_bytes: int, version: int) -> int:
         from fleetrl.workers.weight_bus import receive, receive_layout

@@ -69,6 +69,8 @@ class DecodeGraphs:
         for t, s in zip(self._state, saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: an async rollout worker receives weights on another thread while this one may capture
+        # (cluster/group.py bus_offer); the default (global) mode would fail that thread's stream sync mid-capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._step(key)
         return graph

@@ -1,0 +1,73 @@
+"""trainer.async_weights (docs/async.md, Weights in flight): which path the Plan picks, what it refuses, and, through
+real Ray workers, that after a streamed async run each rollout engine holds exactly the weights the actor published
+last, whether they came over the bus (received beside the decoding into a staging copy, installed by the engine
+loop) or through the object store."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleetrl.cluster.group import _RayWorker
+from fleetrl.config import derive_plan, load_config
+from fleetrl.config.load import ConfigError
+from fleetrl.tracking.tracker import Tracker
+from fleetrl.trainer.trainer import Trainer
+from tests.integration.test_async import SHORT, SPLIT
+
+STREAM = ("trainer.mode=async", "trainer.stream_rollouts=true", "rollout.engine=fast",
+          "algorithm.rollout_correction.mode=tis")
+
+
+def _plan(*overrides: str):
+    return derive_plan(load_config("examples/quickstart.yaml", [*SPLIT, *overrides]))
+
+
+def test_auto_takes_the_bus_only_where_the_engine_loop_installs_what_arrives():
+    assert _plan(*STREAM).pipeline.weights == "bus"
+    assert _plan(*STREAM, "trainer.async_weights=store").pipeline.weights == "store"
+    # not streamed: each call installs the exact version it is tagged with, which only the store keeps
+    assert _plan("trainer.mode=async").pipeline.weights == "store"
+    assert _plan("trainer.mode=async", "trainer.partial_rollouts=true").pipeline.weights == "store"
+    assert _plan(*STREAM).summary()["pipeline"]["weights"] == "bus"
+
+
+def test_the_bus_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match=r"trainer.async_weights=bus cannot run with trainer.stream_rollouts=false.*"
+                                          r"set trainer.async_weights=store"):
+        _plan("trainer.mode=async", "trainer.async_weights=bus")
+
+
+def _state(handle, role: str) -> dict[str, torch.Tensor]:
+    import ray
+
+    def read(worker) -> dict[str, torch.Tensor]:
+        part = worker._need(role)
+        model = part.model if role == "actor" else part.engine_model()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    return ray.get(handle.__ray_call__.remote(read))
+
+
+@pytest.mark.parametrize("path", ["bus", "store"])
+def test_the_engine_holds_the_last_published_weights(tmp_path, ray_local, path):
+    cfg = load_config("examples/quickstart.yaml", [*SPLIT, *SHORT, *STREAM, f"trainer.async_weights={path}",
+                                                   "trainer.total_steps=3", "trainer.max_staleness=1",
+                                                   "tracking.console=false", "tracking.progress=false",
+                                                   f"trainer.output_dir={tmp_path}"])
+    plan = derive_plan(cfg)
+    assert plan.pipeline.weights == path
+    trainer = Trainer(plan, Tracker(tmp_path, cfg.tracking, {}, path), tmp_path)
+    try:
+        trainer.fit()
+        trainer.pipeline.load_engines()  # the loop installs what arrived once a call (here the load) reaches it
+        actor = _state(trainer.group("actor").workers[0], "actor")
+        engine = _state(trainer.group("rollout").workers[0], "rollout")
+        (version,) = trainer.group("rollout").call_all(_RayWorker.weights_version)
+    finally:
+        trainer.shutdown()
+        trainer.tracker.close()
+    # step s publishes version s: the last step's update is what the engine holds, bit for bit
+    assert version == trainer.pipeline.version == 3
+    assert engine.keys() == actor.keys()
+    moved = [k for k in actor if not torch.equal(engine[k], actor[k])]
+    assert not moved, f"{path}: the rollout engine's {moved[:3]} differ from the actor's published weights"
