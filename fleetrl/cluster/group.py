@@ -27,6 +27,7 @@ from fleetrl.cluster.watchdog import Call, Deadlines, watch
 from fleetrl.config.plan import Plan
 from fleetrl.workers.context import WorkerContext
 from fleetrl.workers.messages import GenerateRequest
+from fleetrl.workers.rollout import cache_budget
 from fleetrl.workers.worker import Worker
 
 SERIAL = "serial"  # the rollout's concurrency group in async mode: one call at a time on the engine
@@ -74,14 +75,23 @@ class _RayWorker(Worker):
         from fleetrl.workers.weight_bus import BUCKET_BYTES, Staging, receive_layout
 
         own, _ = receive_layout(self._need("rollout").engine_model(), self.ctx.cfg.actor.lora)
+        size = sum(t.numel() * t.element_size() for _, t in own) / 2**30
+        fix = ("set trainer.async_weights=store (no staging copy), or lower rollout.gpu_memory_fraction")
         try:
             with self._on_bus_stream():
                 self._staging = Staging(own, BUCKET_BYTES, self.ctx.device())
         except torch.cuda.OutOfMemoryError as err:
-            size = sum(t.numel() * t.element_size() for _, t in own) / 2**30
             raise RuntimeError(f"trainer.async_weights=bus keeps a {size:.1f} GiB staging copy of the weights on each "
-                               f"rollout GPU and it does not fit beside the engine: set trainer.async_weights=store, "
-                               f"or give the rollout more memory ({err})") from err
+                               f"rollout GPU, and it does not fit beside the engine: {fix} ({err})") from err
+        budget = cache_budget(self.ctx)
+        if budget is not None and self.ctx.device().type == "cuda":
+            # the KV cache comes at the first call: it must still fit beside the weights and their staging copy
+            free = torch.cuda.mem_get_info(self.ctx.device())[0]
+            if free < budget:
+                raise RuntimeError(f"trainer.async_weights=bus: after its {size:.1f} GiB staging copy of the weights "
+                                   f"this rollout GPU has {free / 2**30:.1f} GiB free, below the KV-cache budget of "
+                                   f"{budget / 2**30:.1f} GiB that rollout.gpu_memory_fraction="
+                                   f"{self.ctx.cfg.rollout.gpu_memory_fraction} gives: {fix}")
 
     # -------------------------------------------- async weight path (trainer.mode=async), through the object store
     def stage_weights(self) -> None:
@@ -128,16 +138,18 @@ class _RayWorker(Worker):
             if self._staging is None or bucket_bytes != BUCKET_BYTES:  # built at `build`; kept for the run
                 own, _ = receive_layout(rollout.engine_model(), self.ctx.cfg.actor.lora)
                 self._staging = Staging(own, bucket_bytes, self.ctx.device())
+            with self._offer_lock:  # the buffers are about to change: nothing in them is a whole version until done
+                self._fetched = (self._fetched[0], None)
             if self._installed is not None:  # the loop's copies out of the buffers are done before they refill
                 torch.cuda.current_stream().wait_event(self._installed)
             views = self._staging.receive(self.bus)
             if self._bus_stream is not None:
                 self._bus_stream.synchronize()  # this thread only: the loop reads the buffers once this returns
-        with self._offer_lock:
-            if version > self._offered[1]:
-                self._offered = ([], version)
-            if version > self._fetched[0]:
-                self._fetched = (version, views)
+            with self._offer_lock:  # labelled before the lock goes: the loop never reads v+1's bytes as v
+                if version > self._offered[1]:
+                    self._offered = ([], version)
+                if version > self._fetched[0]:
+                    self._fetched = (version, views)
         if rollout.stream is not None:
             rollout.stream.poke(version)
         return version

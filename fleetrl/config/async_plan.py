@@ -38,7 +38,7 @@ class AsyncPlan:
 
     weights: Literal["store", "bus"] = "store"
     """trainer.async_weights, resolved: bus = each version broadcast from actor rank 0 to the rollout workers
-    (cluster/weight_sync.py `broadcast_async`), store = through Ray's object store (trainer/pipeline.py publish)."""
+    (cluster/weight_sync.py `broadcast_weights`, beside_decode), store = through Ray's object store (trainer/pipeline.py publish)."""
 
     @property
     def stream(self) -> bool:
@@ -49,7 +49,8 @@ class AsyncPlan:
         return self.groups_per_step // self.chunk_groups
 
 
-def derive_async(cfg: RunConfig, roles: Mapping[str, str], rollout_world: int) -> AsyncPlan | None:
+def derive_async(cfg: RunConfig, roles: Mapping[str, str], rollout_world: int, *,
+                 same_device: bool = True) -> AsyncPlan | None:
     """None in synchronous mode; ConfigError naming the key and the fix when async cannot run this config."""
     t = cfg.trainer
     if t.mode == "sync":
@@ -85,23 +86,25 @@ def derive_async(cfg: RunConfig, roles: Mapping[str, str], rollout_world: int) -
                      window_groups=(t.max_staleness + 1) * prompts,
                      max_chunks_per_step=per_step * (ds.max_rounds if ds.enabled else 1),
                      segment_tokens=_segment_tokens(cfg), stream_calls=(calls := _stream_calls(cfg, chunk)),
-                     weights=_weight_path(cfg, streamed=calls > 0))
+                     weights=_weight_path(cfg, streamed=calls > 0, same_device=same_device))
 
 
-def _weight_path(cfg: RunConfig, *, streamed: bool) -> Literal["store", "bus"]:
-    """trainer.async_weights resolved. The bus needs the engine loop (only it installs whatever version arrived
-    last, from a staging copy, between decode rounds; a plain or segmented call installs the exact version it is
-    tagged with) and whole weights on every rollout worker (tensor_parallel 1)."""
-    t, tp = cfg.trainer, cfg.rollout.tensor_parallel
-    able = streamed and tp == 1
+def _weight_path(cfg: RunConfig, *, streamed: bool, same_device: bool) -> Literal["store", "bus"]:
+    """trainer.async_weights resolved. The bus needs the engine loop: only it installs whatever version arrived last,
+    from a staging copy, between decode rounds; a plain or segmented call installs the exact version it is tagged
+    with. Its two ends must share a backend (NCCL between GPUs, Gloo between CPUs). (Every async rollout worker holds
+    whole weights: the async mode refuses rollout.tensor_parallel > 1.)"""
+    t = cfg.trainer
     if t.async_weights == "auto":
-        return "bus" if able else "store"
-    if t.async_weights == "bus" and not able:
-        why = ("trainer.stream_rollouts=false: only the streamed engine loop installs a version received beside "
-               "its decoding" if not streamed else
-               f"rollout.tensor_parallel={tp}: the bus sends whole weights to every rollout worker")
-        raise ConfigError(f"trainer.async_weights=bus cannot run with {why}; set trainer.async_weights=store (or "
-                          "auto)")
+        return "bus" if streamed and same_device else "store"
+    if t.async_weights == "bus" and not streamed:
+        raise ConfigError("trainer.async_weights=bus cannot run with trainer.stream_rollouts=false: only the streamed "
+                          "engine loop installs a version received beside its decoding; set "
+                          "trainer.stream_rollouts=true, or trainer.async_weights=store (or auto)")
+    if t.async_weights == "bus" and not same_device:
+        raise ConfigError("trainer.async_weights=bus broadcasts between the actor and rollout pools over one backend "
+                          "(NCCL between GPUs, Gloo between CPUs), and one of the two pools has GPUs while the other "
+                          "has none; set trainer.async_weights=store (or auto), or give both pools the same device")
     return t.async_weights
 
 

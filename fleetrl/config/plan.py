@@ -289,7 +289,8 @@ def derive_plan(cfg: RunConfig, *, train_prompts: int | None = None) -> Plan:
     actor_steps = (total - (cfg.critic.warmup_steps if use_critic else 0)) * n_mini * epochs
     on_policy = n_mini == 1 and epochs == 1
     correction = cfg.algorithm.rollout_correction.mode != "none"
-    pipeline = derive_async(cfg, roles, world["rollout"])
+    pipeline = derive_async(cfg, roles, world["rollout"],
+                            same_device=pools[roles["actor"]].uses_gpu == pools[roles["rollout"]].uses_gpu)
     # Decoupled PPO (AReaL, Fu et al. 2025): proximal policy = the one being trained, behaviour = the rollout's,
     # weighed by the rollout correction. With one optimiser step per batch the proximal policy is the update
     # forward's own, so no pass recomputes it, even for stale samples. Only a KL read before the update (reward

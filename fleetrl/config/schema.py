@@ -462,7 +462,7 @@ class TrainerConfig:
     """async: how each published version reaches the rollout pool. bus = a broadcast from actor rank 0 to every
     rollout worker over a process group of their own (NCCL on GPUs, Gloo on CPUs), received beside the running
     decode into a staging copy of the weights that the engine loop installs between two decode rounds (one more
-    copy of the synced weights per rollout GPU); stream_rollouts only, tensor_parallel 1. store = actor rank 0
+    copy of the synced weights per rollout GPU); stream_rollouts only. store = actor rank 0
     writes the version to Ray's object store once and each rollout worker reads it (no staging on the GPU, nothing
     waits for a collective). auto = bus where it can run, else store."""
 

@@ -52,8 +52,8 @@ class AsyncRollouts:
 
     # ----------------------------------------------------------------------------------------- publish
     def publish(self, version: int) -> None:
-        """After the actor's update: its weights into the object store, then generation up to the window at the
-        new version. Version 0 of a fresh run needs no copy (both pools built the same initial weights)."""
+        """After the actor's update: its weights to the rollout pool (the bus or the object store), then generation
+        up to the window at the new version. Version 0 of a fresh run needs no copy (both pools built the same initial weights)."""
         if self.p.weights == "bus":  # received beside the decoding and offered by the time this returns
             broadcast_weights(self.actor, self.rollout, version, self.cfg.cluster.init_timeout_s, beside_decode=True)
             self.version = version

@@ -64,7 +64,7 @@ def send(bus: WeightBus | None, named: Iterable[tuple[str, torch.Tensor]], bucke
     the whole gathered model, is what the sender holds at once."""
     if bus is None:
         for _ in named:
-            pass
+            heartbeat.beat()  # each gather is progress; held to rank 0's broadcast pace, this may take a while
         return 0
     sent = 0
     for bucket in buckets(named, bucket_bytes):

@@ -28,7 +28,9 @@ def test_async_numbers():
     # staleness > 0 but one optimiser step (1 mini-batch, 1 epoch): the proximal policy of decoupled PPO is the
     # update's own forward, so nothing is recomputed
     assert not p.recompute_logprobs
-    assert p.summary()["pipeline"] == {"max_staleness": 2, "stale": "hold", "chunk_groups": 3, "window_groups": 18}
+    # not streamed: each call installs the version it is tagged with, from the object store
+    assert p.summary()["pipeline"] == {"max_staleness": 2, "stale": "hold", "chunk_groups": 3, "window_groups": 18,
+                                       "weights": "store"}
 
 
 @pytest.mark.parametrize("kl, recompute", [

@@ -33,24 +33,41 @@ def test_auto_takes_the_bus_only_where_the_engine_loop_installs_what_arrives():
 
 def test_the_bus_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match=r"trainer.async_weights=bus cannot run with trainer.stream_rollouts=false.*"
-                                          r"set trainer.async_weights=store"):
+                                          r"set trainer.stream_rollouts=true, or trainer.async_weights=store"):
         _plan("trainer.mode=async", "trainer.async_weights=bus")
 
 
-def _state(handle, role: str) -> dict[str, torch.Tensor]:
+def test_the_bus_needs_both_pools_on_one_kind_of_device():
+    mixed = ("cluster.pools={train: {gpus_per_worker: 1}, gen: {cpus_per_worker: 0.5}}",
+             "cluster.roles={actor: train, rollout: gen}")
+    plan = derive_plan(load_config("examples/quickstart.yaml", [*mixed, *STREAM]))
+    assert plan.pipeline.weights == "store"  # NCCL on one end, Gloo on the other could never meet
+    with pytest.raises(ConfigError, match=r"trainer.async_weights=bus broadcasts .* one of the two pools has GPUs"):
+        derive_plan(load_config("examples/quickstart.yaml", [*mixed, *STREAM, "trainer.async_weights=bus"]))
+
+
+def _states(group, role: str) -> list[dict[str, torch.Tensor]]:
+    """Each rank's whole weights (FSDP2 shards gathered: every rank of the group reads at once, a collective)."""
     import ray
+
+    from fleetrl.workers.weight_bus import whole
 
     def read(worker) -> dict[str, torch.Tensor]:
         part = worker._need(role)
         model = part.model if role == "actor" else part.engine_model()
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return {k: whole(v).detach().clone() for k, v in model.state_dict().items()}
 
-    return ray.get(handle.__ray_call__.remote(read))
+    return ray.get([w.__ray_call__.remote(read) for w in group.workers])
 
 
-@pytest.mark.parametrize("path", ["bus", "store"])
-def test_the_engine_holds_the_last_published_weights(tmp_path, ray_local, path):
-    cfg = load_config("examples/quickstart.yaml", [*SPLIT, *SHORT, *STREAM, f"trainer.async_weights={path}",
+TWO_BY_TWO = ("cluster.pools={train: {cpus_per_worker: 0.25, workers_per_node: 2}, gen: {cpus_per_worker: 0.25, "
+              "workers_per_node: 2}}", "actor.sharding=fsdp2")
+
+
+@pytest.mark.parametrize("path, layout", [("bus", ()), ("store", ()), ("bus", TWO_BY_TWO)],
+                         ids=["bus", "store", "bus-fsdp2-2x2"])
+def test_the_engine_holds_the_last_published_weights(tmp_path, ray_local, path, layout):
+    cfg = load_config("examples/quickstart.yaml", [*SPLIT, *SHORT, *STREAM, *layout, f"trainer.async_weights={path}",
                                                    "trainer.total_steps=3", "trainer.max_staleness=1",
                                                    "tracking.console=false", "tracking.progress=false",
                                                    f"trainer.output_dir={tmp_path}"])
@@ -60,14 +77,17 @@ def test_the_engine_holds_the_last_published_weights(tmp_path, ray_local, path):
     try:
         trainer.fit()
         trainer.pipeline.load_engines()  # the loop installs what arrived once a call (here the load) reaches it
-        actor = _state(trainer.group("actor").workers[0], "actor")
-        engine = _state(trainer.group("rollout").workers[0], "rollout")
-        (version,) = trainer.group("rollout").call_all(_RayWorker.weights_version)
+        actor = _states(trainer.group("actor"), "actor")[0]
+        engines = _states(trainer.group("rollout"), "rollout")
+        versions = trainer.group("rollout").call_all(_RayWorker.weights_version)
+        stats = trainer.group("rollout").call_all(_RayWorker.stream_stats)
     finally:
         trainer.shutdown()
         trainer.tracker.close()
-    # step s publishes version s: the last step's update is what the engine holds, bit for bit
-    assert version == trainer.pipeline.version == 3
-    assert engine.keys() == actor.keys()
-    moved = [k for k in actor if not torch.equal(engine[k], actor[k])]
-    assert not moved, f"{path}: the rollout engine's {moved[:3]} differ from the actor's published weights"
+    # step s publishes version s: the last step's update is what every engine holds, bit for bit
+    assert versions == [trainer.pipeline.version] * len(engines) and trainer.pipeline.version == 3
+    assert all(s["installs"] >= 3 for s in stats), stats  # versions 1..3, each installed by the engine loop
+    for rank, engine in enumerate(engines):
+        assert engine.keys() == actor.keys()
+        moved = [k for k in actor if not torch.equal(engine[k], actor[k])]
+        assert not moved, f"{path}: rollout rank {rank}'s {moved[:3]} differ from the actor's published weights"
