@@ -132,7 +132,6 @@ class _RayWorker(Worker):
         rounds (`install_newest`: a device-to-device copy)."""
         from fleetrl.workers.weight_bus import BUCKET_BYTES, Staging, receive_layout
 
-        heartbeat.maybe_freeze("bus_receive")
         rollout = self._need("rollout")
         with self._staging_lock, self._on_bus_stream():
             if self._staging is None or bucket_bytes != BUCKET_BYTES:  # built at `build`; kept for the run

@@ -2,6 +2,8 @@
 then one bucketed broadcast per step with a version the rollout engines check before generating."""
 from __future__ import annotations
 
+import time
+
 import ray
 
 from fleetrl.cluster.group import WorkerGroup
@@ -41,15 +43,20 @@ def broadcast_weights(actor: WorkerGroup, rollout: WorkerGroup, version: int, ti
         raise WeightSyncError("a separate rollout pool needs cluster.backend=ray")
     if not actor.bus_ready:
         connect_bus(actor, rollout, timeout_s)
-    send = actor.calls([w.bus_send.remote(BUCKET_BYTES) for w in actor.workers])
     verb = "bus_offer" if beside_decode else "bus_receive"
-    recv = rollout.calls([getattr(w, verb).remote(BUCKET_BYTES, version) for w in rollout.workers])
+    t0 = time.perf_counter()
+    # through `timed`: each rank's own seconds go to the step's metrics (rank/<pool>/bus_send, .../bus_offer)
+    send = actor.calls([w.timed.remote("bus_send", BUCKET_BYTES) for w in actor.workers])
+    recv = rollout.calls([w.timed.remote(verb, BUCKET_BYTES, version) for w in rollout.workers])
     try:  # the watchdog: a receiver that stops taking buckets is a stall within cluster.stall_s, named
-        sent = watch(send + recv, verb="weight_sync", timeout_s=timeout_s * 2,
-                     stall_s=actor.plan.config.cluster.stall_s, stall_dir=actor.stall_dir(), step=actor.step)
+        pairs = watch(send + recv, verb="weight_sync", timeout_s=timeout_s * 2,
+                      stall_s=actor.plan.config.cluster.stall_s, stall_dir=actor.stall_dir(), step=actor.step)
     except ray.exceptions.RayTaskError as e:
         raise WeightSyncError(f"weight broadcast v{version} failed: {e.cause if hasattr(e, 'cause') else e}") from e
-    return int(sent[0])
+    wall, n = time.perf_counter() - t0, len(send)
+    actor.stats.record("bus_send", [dt for _, dt in pairs[:n]], wall, [], [])
+    rollout.stats.record(verb, [dt for _, dt in pairs[n:]], wall, [], [])
+    return int(pairs[0][0])
 
 
 def probe_gaps(actor: WorkerGroup, rollout: WorkerGroup, version: int, timeout_s: float, *,

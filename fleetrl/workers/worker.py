@@ -245,7 +245,6 @@ class Worker:
     def bus_receive(self, bucket_bytes: int, version: int) -> int:
         from fleetrl.workers.weight_bus import receive, receive_layout
 
-        heartbeat.maybe_freeze("bus_receive")
         own, partial = receive_layout(self._need("rollout").engine_model(), self.ctx.cfg.actor.lora)
         self.install_weights(receive(self.bus, own, bucket_bytes), version)
         return version
