@@ -67,6 +67,22 @@ TWO_BY_TWO = ("cluster.pools={train: {cpus_per_worker: 0.25, workers_per_node: 2
 @pytest.mark.parametrize("path, layout", [("bus", ()), ("store", ()), ("bus", TWO_BY_TWO)],
                          ids=["bus", "store", "bus-fsdp2-2x2"])
 def test_the_engine_holds_the_last_published_weights(tmp_path, ray_local, path, layout):
+    _engines_hold_the_last_published_weights(tmp_path, path, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_over_nccl_beside_a_graph_decoding_loop(tmp_path, ray_local):
+    """The GPU path: NCCL, the receive on its own CUDA stream beside the loop's CUDA graphs (captured thread-local),
+    the install's event. One actor GPU, one rollout GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs: one actor, one rollout")
+    gpus = ("cluster.pools={train: {gpus_per_worker: 1}, gen: {gpus_per_worker: 1}}",
+            "rollout.gpu_memory_fraction=0.2")
+    _engines_hold_the_last_published_weights(tmp_path, "bus", gpus)
+
+
+def _engines_hold_the_last_published_weights(tmp_path, path: str, layout: tuple[str, ...]) -> None:
     cfg = load_config("examples/quickstart.yaml", [*SPLIT, *SHORT, *STREAM, *layout, f"trainer.async_weights={path}",
                                                    "trainer.total_steps=3", "trainer.max_staleness=1",
                                                    "tracking.console=false", "tracking.progress=false",
