@@ -64,6 +64,7 @@ TWO_BY_TWO = ("cluster.pools={train: {cpus_per_worker: 0.25, workers_per_node: 2
               "workers_per_node: 2}}", "actor.sharding=fsdp2")
 
 
+@pytest.mark.slow  # three short runs through Ray workers (~60 s on 2 cores): the slow tier, not the inner loop
 @pytest.mark.parametrize("path, layout", [("bus", ()), ("store", ()), ("bus", TWO_BY_TWO)],
                          ids=["bus", "store", "bus-fsdp2-2x2"])
 def test_the_engine_holds_the_last_published_weights(tmp_path, ray_local, path, layout):
