@@ -67,19 +67,23 @@ class _RayWorker(Worker):
     def build(self) -> None:
         super().build()
         if self.streaming and self.ctx.plan.pipeline.weights == "bus":
-            self._allocate_staging()  # before the loop starts and the first call sizes its KV cache
+            from fleetrl.workers.weight_bus import BUCKET_BYTES
+
+            self._allocate_staging(BUCKET_BYTES)  # before the loop starts and the first call sizes its KV cache
         if self.streaming:
             self.rollout.start_stream(self.install_newest)
 
-    def _allocate_staging(self) -> None:
-        from fleetrl.workers.weight_bus import BUCKET_BYTES, Staging, receive_layout
+    def _allocate_staging(self, bucket_bytes: int) -> None:
+        """The staging copy `bus_offer` receives into, in the sender's buckets; fails naming the keys where it, or
+        the KV cache after it, cannot fit."""
+        from fleetrl.workers.weight_bus import Staging, receive_layout
 
         own, _ = receive_layout(self._need("rollout").engine_model(), self.ctx.cfg.actor.lora)
         size = sum(t.numel() * t.element_size() for _, t in own) / 2**30
         fix = ("set trainer.async_weights=store (no staging copy), or lower rollout.gpu_memory_fraction")
         try:
             with self._on_bus_stream():
-                self._staging = Staging(own, BUCKET_BYTES, self.ctx.device())
+                self._staging = Staging(own, bucket_bytes, self.ctx.device())
         except torch.cuda.OutOfMemoryError as err:
             raise RuntimeError(f"trainer.async_weights=bus keeps a {size:.1f} GiB staging copy of the weights on each "
                                f"rollout GPU, and it does not fit beside the engine: {fix} ({err})") from err
@@ -130,13 +134,10 @@ class _RayWorker(Worker):
         this worker's staging copy, then offers it as `offer_weights` does. Outside the serial group and on a CUDA
         stream of its own, so it runs beside the engine loop's decoding; the loop installs it between two decode
         rounds (`install_newest`: a device-to-device copy)."""
-        from fleetrl.workers.weight_bus import BUCKET_BYTES, Staging, receive_layout
-
         rollout = self._need("rollout")
+        if self._staging is None:  # made at `build`; kept for the run
+            self._allocate_staging(bucket_bytes)
         with self._staging_lock, self._on_bus_stream():
-            if self._staging is None or bucket_bytes != BUCKET_BYTES:  # built at `build`; kept for the run
-                own, _ = receive_layout(rollout.engine_model(), self.ctx.cfg.actor.lora)
-                self._staging = Staging(own, bucket_bytes, self.ctx.device())
             with self._offer_lock:  # the buffers are about to change: nothing in them is a whole version until done
                 self._fetched = (self._fetched[0], None)
             if self._installed is not None:  # the loop's copies out of the buffers are done before they refill

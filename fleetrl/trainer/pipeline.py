@@ -53,18 +53,17 @@ class AsyncRollouts:
     # ----------------------------------------------------------------------------------------- publish
     def publish(self, version: int) -> None:
         """After the actor's update: its weights to the rollout pool (the bus or the object store), then generation
-        up to the window at the new version. Version 0 of a fresh run needs no copy (both pools built the same initial weights)."""
+        up to the window at the new version. Version 0 of a fresh run needs no copy (both pools built the same
+        initial weights)."""
         if self.p.weights == "bus":  # received beside the decoding and offered by the time this returns
             broadcast_weights(self.actor, self.rollout, version, self.cfg.cluster.init_timeout_s, beside_decode=True)
-            self.version = version
-            self._fill()
-            return
-        self.actor.call_all(_RayWorker.stage_weights)
-        self.weights = [r for refs in self.actor.call_all(_RayWorker.put_weights) for r in refs]
+        else:
+            self.actor.call_all(_RayWorker.stage_weights)
+            self.weights = [r for refs in self.actor.call_all(_RayWorker.put_weights) for r in refs]
+            if self.p.segment_tokens is not None or self.p.stream:
+                # partial rollouts: running generations take it at their next segment; streamed: between decode rounds
+                self.rollout.call_all(_RayWorker.offer_weights, self.weights, version)
         self.version = version
-        if self.p.segment_tokens is not None or self.p.stream:
-            # partial rollouts: running generations take it at their next segment; streamed: between decode rounds
-            self.rollout.call_all(_RayWorker.offer_weights, self.weights, version)
         self._fill()
 
     def load_engines(self) -> None:
